@@ -1,0 +1,36 @@
+# The two commands: `make serve` and `make test`. Both set everything up first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch 2.13.0: a CPU build on the dev/CI machines; from PyPI on a GPU host it is the CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint demo-assets clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml tools/constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -c tools/constraints.txt -e ".[test]"
+	$(PIP) install -q --no-deps dflash==0.1.0
+	touch $@
+
+# Until the cluster lands, `serve` runs the in-process engine on the tiny demo pair (CPU).
+serve: setup
+	$(PY) -m deploy.cli generate --model tests/assets/tiny/target \
+		--draft-model tests/assets/tiny/draft --prompt "The quick brown fox" \
+		--max-tokens 48 --ignore-eos --json
+
+test: setup
+	$(PY) -m ruff check .
+	# Tiny models: one thread per process is several times faster than two on a 2-core box.
+	OMP_NUM_THREADS=1 RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,217 @@
+"""The in-process engine: prefill → (propose → verify → accept → commit)* → stop.
+
+Used directly by `dflash-serve generate` and, in the cluster, by the driver actor. The engine
+never touches model tensors beyond handing the runner's outputs to the drafter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cluster.block_manager import BlockManager
+from cluster.scheduler import Scheduler
+from cluster.sequence import Sequence
+from configs.engine import EngineConfig, SamplingParams
+from draft.config import DraftConfig
+from draft.model import DFlashDraftModel
+from draft.proposer import DraftRunner
+from target.loader import load_target
+from workers.cache import allocate_target_caches
+from workers.model_runner import ModelRunner, SeqInput, StepOutput
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    new_token_ids: list[int]  # produced since the previous step (for streaming)
+    output_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    acceptance_lengths: list[int]
+
+
+@dataclass
+class AcceptanceStats:
+    rounds: int = 0
+    tokens: int = 0  # tokens committed by rounds
+    accepted_at: list[int] = field(default_factory=list)  # [K] rounds whose draft i was accepted
+    lengths: dict[int, int] = field(default_factory=dict)  # committed per round → count
+
+    def record(self, num_accepted: int, num_drafts: int) -> None:
+        if len(self.accepted_at) < num_drafts:
+            self.accepted_at += [0] * (num_drafts - len(self.accepted_at))
+        self.rounds += 1
+        self.tokens += num_accepted + 1
+        self.lengths[num_accepted + 1] = self.lengths.get(num_accepted + 1, 0) + 1
+        for i in range(num_accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def position_acceptance_rate(self) -> list[float]:
+        return [a / self.rounds for a in self.accepted_at] if self.rounds else []
+
+
+def read_eos_ids(model_dir: str, from_config: tuple[int, ...]) -> set[int]:
+    ids = set(from_config)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        device = torch.device(cfg.device)
+        self.target = load_target(cfg.model, dtype=cfg.torch_dtype, device=device)
+        tcfg = self.target.config
+        self.max_model_len = cfg.max_model_len or tcfg.max_position_embeddings
+        self.draft_config: DraftConfig | None = None
+        draft = None
+        if cfg.draft_model:
+            dcfg = DraftConfig.from_pretrained(cfg.draft_model)
+            dcfg.validate_against(tcfg)
+            if cfg.block_size is not None:
+                dcfg = dcfg.with_block_size(cfg.block_size)
+            self.draft_config = dcfg
+            draft = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
+                                                     device=device, block_size=dcfg.block_size)
+        self.block_size = self.draft_config.block_size if draft else 1  # B tokens verified
+        page = cfg.kv_block_size
+        pages_per_seq = -(-(self.max_model_len + self.block_size) // page)
+        num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * pages_per_seq
+        caches = allocate_target_caches(self.target, num_blocks, page, cfg.max_num_seqs, device)
+        aux_ids = tuple(self.draft_config.target_layer_ids) if draft else ()
+        self.runner = ModelRunner(self.target, caches, aux_ids, device, cfg.seed)
+        self.drafter = (
+            DraftRunner(draft, num_blocks, page, self.block_size, self.target.embed,
+                        self.target.compute_logits, device)
+            if draft else None
+        )
+        self.blocks = BlockManager(num_blocks, page, cfg.max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, self.max_model_len,
+                                   lookahead=self.block_size)
+        self.eos_ids = read_eos_ids(cfg.model, tcfg.eos_token_ids)
+        self.stats = AcceptanceStats()
+        self._seq_ids = itertools.count()
+        self._by_request: dict[str, Sequence] = {}
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the context length is {self.max_model_len}"
+            )
+        seq_id = next(self._seq_ids)
+        request_id = request_id or f"req-{seq_id}"
+        if request_id in self._by_request:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(seq_id, request_id, list(prompt_ids), params)
+        self.scheduler.add(seq)
+        self._by_request[request_id] = seq
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self._by_request.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+            self.runner.release(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.prefill:
+            self._prefill(plan.prefill)
+        elif plan.decode:
+            self._round(plan.decode)
+        return self._collect(plan.prefill + plan.decode)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        out = self.runner.prefill([
+            SeqInput(s.seq_id, s.prompt_ids, 0, s.block_table, s.state_slot, s.params)
+            for s in seqs
+        ])
+        self._feed_draft(seqs, out)
+        for s, toks in zip(seqs, out.new_tokens, strict=True):
+            s.num_cached = len(s.prompt_ids)
+            self._append(s, toks)
+
+    def _round(self, seqs: list[Sequence]) -> None:
+        if self.drafter is not None:
+            drafts = self.drafter.propose([s.anchor for s in seqs], [s.num_cached for s in seqs],
+                                          [s.block_table for s in seqs]).tolist()
+        else:
+            drafts = [[] for _ in seqs]
+        out = self.runner.verify([
+            SeqInput(s.seq_id, [s.anchor, *d], s.num_cached, s.block_table, s.state_slot,
+                     s.params)
+            for s, d in zip(seqs, drafts, strict=True)
+        ])
+        self._feed_draft(seqs, out)
+        for s, toks, n in zip(seqs, out.new_tokens, out.num_accepted, strict=True):
+            s.num_cached += n + 1
+            self.stats.record(n, self.block_size - 1)
+            s.acceptance_lengths.append(self._append(s, toks))
+
+    def _feed_draft(self, seqs: list[Sequence], out: StepOutput) -> None:
+        if self.drafter is not None:
+            self.drafter.write_context(out.aux, out.aux_positions,
+                                       [s.block_table for s in seqs], out.num_committed)
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> int:
+        """Appends tokens up to the first stop condition; returns how many were kept."""
+        p = seq.params
+        for i, tok in enumerate(tokens):
+            seq.output_ids.append(tok)
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                self.scheduler.finish(seq, "stop")
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.scheduler.finish(seq, "length")
+            if seq.finished:
+                return i + 1
+        return len(tokens)
+
+    def _collect(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        outs = []
+        for s in seqs:
+            new = s.output_ids[s.num_streamed :]
+            s.num_streamed = len(s.output_ids)
+            outs.append(RequestOutput(s.request_id, s.prompt_ids, new, list(s.output_ids),
+                                      s.finished, s.finish_reason, list(s.acceptance_lengths)))
+            if s.finished:
+                self.runner.release(s.seq_id)
+                self._by_request.pop(s.request_id, None)
+        return outs
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

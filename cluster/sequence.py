@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from configs.engine import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached: int = 0  # tokens whose KV / GDN state are committed in the target
+    block_table: list[int] = field(default_factory=list)
+    state_slot: int = -1
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per round
+    num_streamed: int = 0  # output tokens already handed to the caller
+
+    @property
+    def anchor(self) -> int:
+        # The newest token: produced but not yet fed to the target.
+        return self.output_ids[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,77 @@
+"""Engine and request configuration: frozen, validated once, errors name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 → greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 → disabled
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
+            )
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    draft_model: str | None = None
+    block_size: int | None = None  # --speculative-dflash-block-size; None → the draft's own
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None → the target's max_position_embeddings
+    kv_block_size: int = 16  # tokens per KV page
+    num_kv_blocks: int | None = None  # None → enough for max_num_seqs full-length sequences
+    seed: int = 0  # seeds the per-request generators of requests that bring no seed
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float16":
+            raise ValueError("dtype float16 overflows the DFlash feature fusion; use bfloat16")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.block_size is not None:
+            if self.draft_model is None:
+                raise ValueError("--speculative-dflash-block-size needs --draft-model")
+            if not isinstance(self.block_size, int) or not 2 <= self.block_size <= 64:
+                raise ValueError(
+                    f"--speculative-dflash-block-size must be an integer in [2, 64], "
+                    f"got {self.block_size!r}"
+                )
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.kv_block_size <= 0:
+            raise ValueError(f"kv_block_size must be positive, got {self.kv_block_size}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_tokenizer(model_dir: str):
+    """The target's tokenizer, or None when the checkpoint ships none (then use token ids)."""
+    d = Path(model_dir)
+    if not ((d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(d))

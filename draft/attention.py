@@ -1,0 +1,127 @@
+"""Pure-torch RoPE and paged block attention for the DFlash draft.
+
+Legend: S sequences, B block length, N committed tokens, C gathered context length,
+Hq query heads, Hkv kv heads, D head_dim, P page size (cache block size).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
+    # the same expression as transformers' default RoPE, on CPU in fp32
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exponent)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    # positions [...] -> cos, sin [..., D]; computed in fp32, then cast (as transformers does)
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x [..., heads, D]; cos/sin [..., D] broadcast over heads; rotate_half (NeoX) layout
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    # k, v [N, Hkv, D] -> caches [num_blocks, P, Hkv, D] at flat slots [N]
+    kv_shape = k_cache.shape[-2:]
+    k_cache.view(-1, *kv_shape).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *kv_shape).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_context(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    window: int | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Context K/V [S, C, Hkv, D], their positions [S, C] and validity [S, C].
+
+    With a window only the last `window - 1` context positions can be seen by any block query
+    (query p >= L sees key k only if p - k < window), so older pages are never read.
+    """
+    page = k_cache.shape[1]
+    lens = context_lens.long()
+    start = (lens - (window - 1)).clamp(min=0) if window is not None else torch.zeros_like(lens)
+    span = lens - start
+    width = int(span.max()) if span.numel() else 0
+    offs = torch.arange(width, device=lens.device)
+    valid = offs[None, :] < span[:, None]  # [S, C]
+    pos = torch.where(valid, start[:, None] + offs[None, :], 0)
+    # unused block-table entries may hold anything: only index them where valid
+    page_idx = torch.where(valid, pos // page, 0)
+    blocks = block_tables.long().gather(1, page_idx)
+    slots = torch.where(valid, blocks * page + pos % page, 0)
+    kv_shape = k_cache.shape[-2:]
+    keep = valid[..., None, None]
+    k = torch.where(keep, k_cache.view(-1, *kv_shape)[slots], 0)  # zeros: no NaN from stale
+    v = torch.where(keep, v_cache.view(-1, *kv_shape)[slots], 0)
+    return k, v, pos, valid
+
+
+def block_mask(
+    query_pos: Tensor,
+    key_pos: Tensor,
+    key_valid: Tensor,
+    is_causal: bool,
+    window: int | None,
+) -> Tensor:
+    # query_pos [S, B], key_pos/key_valid [S, K] -> bool [S, 1, B, K] (True = attend);
+    # the rule of the reference's `_attention_mask`, on absolute positions
+    p, k = query_pos[:, :, None], key_pos[:, None, :]
+    visible = key_valid[:, None, :].expand(-1, query_pos.shape[1], -1)
+    if is_causal:
+        visible = visible & (k <= p)
+    if window is not None:
+        visible = visible & (p - k < window)
+        if not is_causal:
+            visible = visible & (k - p < window)
+    return visible[:, None]
+
+
+def paged_block_attention(
+    q: Tensor,
+    k_block: Tensor,
+    v_block: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    *,
+    is_causal: bool,
+    window: int | None,
+    scale: float,
+) -> Tensor:
+    """Block queries over [paged context KV ; block KV]; q [S, B, Hq, D] -> [S, B, Hq, D].
+
+    Sequence s has context at positions 0..L_s-1 and its block at L_s..L_s+B-1. Sequences are
+    padded to the longest gathered context; padded keys are masked out.
+    """
+    num_seqs, block_len = q.shape[:2]
+    k_ctx, v_ctx, ctx_pos, ctx_valid = gather_context(
+        k_cache, v_cache, block_tables, context_lens, window
+    )
+    block_pos = context_lens.long()[:, None] + torch.arange(block_len, device=q.device)
+    key_pos = torch.cat([ctx_pos, block_pos], dim=1)  # [S, K]
+    key_valid = torch.cat([ctx_valid, torch.ones_like(block_pos, dtype=torch.bool)], dim=1)
+    mask = block_mask(block_pos, key_pos, key_valid, is_causal, window)
+
+    groups = q.shape[2] // k_block.shape[2]
+    k = torch.cat([k_ctx.to(k_block.dtype), k_block], dim=1).transpose(1, 2)  # [S, Hkv, K, D]
+    v = torch.cat([v_ctx.to(v_block.dtype), v_block], dim=1).transpose(1, 2)
+    if groups > 1:  # GQA: query head h reads kv head h // groups
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(num_seqs, block_len, *q.shape[2:])

@@ -1,0 +1,282 @@
+"""DFlash draft (Qwen3 layers) with a paged context-KV cache; inference only.
+
+Parameter names match the checkpoint 1:1. The context (aux features of committed target
+tokens) is projected once per layer into the paged cache by `write_context`; each round,
+`forward_block` runs the block [anchor, mask x (B-1)] against it and discards the block's KV.
+Legend: S sequences, B block length, N committed tokens, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from draft.attention import apply_rope, paged_block_attention, rope_cos_sin, rope_inv_freq, write_kv
+from draft.config import DraftConfig
+
+KVCache = list[tuple[Tensor, Tensor]]  # per draft layer (k_cache, v_cache)
+
+
+class RMSNorm(nn.Module):
+    # Qwen3 RMSNorm: plain weight (not zero-centred), statistics in fp32
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(h, i, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, d
+        )
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias, dtype=dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.is_causal = cfg.layer_causal[layer_idx]
+        self.window = cfg.layer_windows[layer_idx]
+        self.scale = d**-0.5
+
+    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        # x [..., H] -> k (normed, RoPE'd), v [..., Hkv, D]
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv: tuple[Tensor, Tensor],
+        block_tables: Tensor,
+        context_lens: Tensor,
+    ) -> Tensor:
+        # x [S, B, H] (already input-normed); cos/sin [S, B, D] at the block positions
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
+        q = apply_rope(q, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        out = paged_block_attention(
+            q, k, v, kv[0], kv[1], block_tables, context_lens,
+            is_causal=self.is_causal, window=self.window, scale=self.scale,
+        )
+        return self.o_proj(out.flatten(-2))
+
+
+class DraftDecoderLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, layer_idx, dtype)
+        self.mlp = DraftMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv: tuple[Tensor, Tensor],
+        block_tables: Tensor,
+        context_lens: Tensor,
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, block_tables, context_lens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, cfg: DraftConfig, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        # feature fusion never in fp16: wide concatenated aux features overflow it
+        self.fusion_dtype = torch.float32 if dtype == torch.float16 else dtype
+        # built on meta and materialised uninitialised: every parameter comes from load_weights
+        with torch.device("meta"):
+            self.layers = nn.ModuleList(
+                DraftDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)
+            )
+            self.fc = nn.Linear(
+                cfg.aux_hidden_size, cfg.hidden_size, bias=False, dtype=self.fusion_dtype
+            )
+            self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.fusion_dtype)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.to_empty(device=device)
+        self.requires_grad_(False)
+        # fp32 and not a module buffer, so `.to(dtype)` can never round it
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def load_weights(self, model_dir: str | Path) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for file in _safetensors_files(Path(model_dir)):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    param = params.get(name)
+                    if param is None:
+                        continue  # e.g. extra heads of other draft variants
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, the draft "
+                            f"config implies {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor)
+                    loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(
+                f"{model_dir}: checkpoint lacks {len(missing)} draft tensors, e.g. {missing[:5]}"
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        block_size: int | None = None,
+    ) -> DFlashDraftModel:
+        cfg = DraftConfig.from_pretrained(model_dir)
+        if block_size is not None:
+            cfg = cfg.with_block_size(block_size)
+        model = cls(cfg, dtype=dtype, device=device)
+        with torch.no_grad():
+            model.load_weights(model_dir)
+        return model.eval()
+
+    # ---- cache ---------------------------------------------------------------------------
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        # block_size here is the page size of the cache, not the draft's block length
+        shape = (num_blocks, block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in self.layers
+        ]
+
+    def write_context(
+        self, aux: Tensor, positions: Tensor, slot_mapping: Tensor, kv_cache: KVCache
+    ) -> None:
+        # aux [N, len(target_layer_ids) * H] of committed tokens; positions, slot_mapping [N]
+        ctx = self.hidden_norm(self.fc(aux.to(self.fusion_dtype))).to(self.dtype)  # [N, H]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [N, D]
+        slots = slot_mapping.long()
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            write_kv(k, v, k_cache, v_cache, slots)
+
+    # ---- block ---------------------------------------------------------------------------
+
+    def forward_block(
+        self, noise_embeds: Tensor, context_lens: Tensor, block_tables: Tensor, kv_cache: KVCache
+    ) -> Tensor:
+        # noise_embeds [S, B, H] (already scaled); block of sequence s at L_s .. L_s + B - 1
+        x = noise_embeds.to(self.dtype)
+        positions = context_lens.long()[:, None] + torch.arange(x.shape[1], device=x.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, B, D]
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
+            x = layer(x, cos, sin, kv, block_tables, context_lens)
+        return self.norm(x)  # [S, B, H]
+
+    def compute_logits(self, hidden: Tensor, lm_head: Callable[[Tensor], Tensor]) -> Tensor:
+        logits = lm_head(hidden) * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def propose_logits(
+        self,
+        anchor_ids: Tensor,
+        context_lens: Tensor,
+        block_tables: Tensor,
+        kv_cache: KVCache,
+        embed: Callable[[Tensor], Tensor],
+        lm_head: Callable[[Tensor], Tensor],
+        block_size: int | None = None,
+    ) -> Tensor:
+        # anchor_ids [S] -> logits [S, B - 1, V] for block positions 1 .. B - 1
+        block_size = self.cfg.block_size if block_size is None else block_size
+        ids = torch.full(
+            (anchor_ids.shape[0], block_size), self.cfg.mask_token_id,
+            dtype=torch.long, device=anchor_ids.device,
+        )
+        ids[:, 0] = anchor_ids
+        noise = embed(ids) * self.cfg.input_embedding_scale  # the TARGET's embedding
+        hidden = self.forward_block(noise, context_lens, block_tables, kv_cache)
+        return self.compute_logits(hidden[:, 1:], lm_head)
+
+    def propose(
+        self,
+        anchor_ids: Tensor,
+        context_lens: Tensor,
+        block_tables: Tensor,
+        kv_cache: KVCache,
+        embed: Callable[[Tensor], Tensor],
+        lm_head: Callable[[Tensor], Tensor],
+        block_size: int | None = None,
+    ) -> Tensor:
+        # argmax at every temperature (DESIGN §3) -> draft tokens [S, B - 1] long
+        logits = self.propose_logits(
+            anchor_ids, context_lens, block_tables, kv_cache, embed, lm_head, block_size
+        )
+        return logits.argmax(dim=-1)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} names shards that do not exist: {absent}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no *.safetensors weights")
+    return files

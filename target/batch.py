@@ -1,0 +1,51 @@
+"""What one target forward consumes: a flat varlen batch plus the cache tensors it reads/writes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] long, sequences concatenated
+    positions: torch.Tensor  # [T] long, absolute token positions
+    query_lens: list[int]  # [S] tokens of each sequence in this forward
+    seq_lens: list[int]  # [S] context length after this forward (cached + new)
+    slot_mapping: torch.Tensor  # [T] long, KV-cache slot of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32, page ids of each sequence
+    state_slots: list[int]  # [S] Gated DeltaNet state slot of each sequence
+    # Verify sequences leave their committed GDN state untouched and journal the block instead;
+    # `commit_verify` replays the accepted prefix. Others (prefill) advance their state in place.
+    is_verify: list[bool]
+    aux_layer_ids: tuple[int, ...] = ()  # residual stream after these layers is returned
+    # Filled by the forward: per GDN layer, per verify sequence, what replay needs.
+    journal: dict[int, list] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        out = [0]
+        for n in self.query_lens:
+            out.append(out[-1] + n)
+        return out
+
+
+@dataclass
+class TargetCaches:
+    # full-attention layer -> (k_cache, v_cache),
+    # each [num_blocks, block_size, kv_heads_local, head_dim]
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    # GDN layer -> conv state [num_slots, conv_dim_local, kernel-1] (the last pre-conv inputs)
+    conv: dict[int, torch.Tensor]
+    # GDN layer -> recurrent state [num_slots, value_heads_local, key_dim, value_dim], fp32
+    ssm: dict[int, torch.Tensor]
+
+    @property
+    def block_size(self) -> int:
+        k_cache, _ = next(iter(self.kv.values()))
+        return k_cache.shape[1]

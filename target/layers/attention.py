@@ -1,0 +1,55 @@
+"""Qwen3.5 gated full attention over the paged KV cache, tensor-parallel over heads.
+
+q_proj rows hold per head [query | gate]; output = attn · sigmoid(gate) → o_proj.
+kv heads are split across ranks when tp ≤ kv heads, replicated (rank r uses kv head
+r // (tp / kv_heads)) when tp > kv heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from configs.model import TargetConfig
+from target.batch import ForwardBatch, TargetCaches
+from target.distributed import TPGroup
+from target.kernels import attention as attn_kernels
+from target.layers.linear import ColumnParallelLinear, RowParallelLinear
+from target.layers.norm import RMSNorm
+from target.layers.rotary import RotaryEmbedding
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer_idx: int, tp: TPGroup, dtype: torch.dtype,
+                 rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = d = cfg.head_dim
+        self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        kv = cfg.num_key_value_heads
+        kv_shards = min(tp.size, kv)
+        kv_rank = tp.rank * kv_shards // tp.size
+        self.num_kv_heads = kv // kv_shards
+        h = cfg.hidden_size
+        self.q_proj = ColumnParallelLinear(h, [cfg.num_attention_heads * d * 2], tp, dtype)
+        self.k_proj = ColumnParallelLinear(h, [kv * d], tp, dtype, kv_shards, kv_rank)
+        self.v_proj = ColumnParallelLinear(h, [kv * d], tp, dtype, kv_shards, kv_rank)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, tp, dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.rotary = rotary
+        self.scale = d**-0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: TargetCaches) -> torch.Tensor:
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(batch.positions, q, k)
+        k_cache, v_cache = caches.kv[self.layer_idx]
+        attn_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = attn_kernels.paged_attention(q, k_cache, v_cache, batch.query_lens, batch.seq_lens,
+                                         batch.block_tables, self.scale)
+        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o)

@@ -1,0 +1,129 @@
+"""Gated DeltaNet (Qwen3.5's linear-attention mixer), tensor-parallel over heads.
+
+Prefill sequences advance their conv/recurrent state in place. Verify sequences read the
+committed state without writing it and journal what a replay needs (pre-conv inputs and the
+block's k, v, g, β); `commit` then replays only the accepted prefix from the committed state,
+so rollback is exact and a sequence never holds more than its one committed state (plus the
+transient state of the replay itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from configs.model import TargetConfig
+from target.batch import ForwardBatch, TargetCaches
+from target.distributed import TPGroup
+from target.kernels import gdn
+from target.layers.linear import ColumnParallelLinear, RowParallelLinear, load_sharded_1d
+from target.layers.norm import GatedRMSNorm
+from target.weights import WeightSource, copy_into, expect_shape
+
+
+@dataclass
+class GDNJournalEntry:
+    mixed_qkv: torch.Tensor  # [B, C] pre-conv inputs of the block
+    k: torch.Tensor  # [B, H, Dk] L2-normalised, expanded to value heads
+    v: torch.Tensor  # [B, H, Dv]
+    g: torch.Tensor  # [B, H] fp32 log-decay
+    beta: torch.Tensor  # [B, H] fp32
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer_idx: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.tp = tp
+        self.num_k_heads = tp.shard(cfg.linear_num_key_heads, "linear_num_key_heads")
+        self.num_v_heads = tp.shard(cfg.linear_num_value_heads, "linear_num_value_heads")
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        key_dim = cfg.linear_num_key_heads * self.head_k_dim
+        value_dim = cfg.linear_num_value_heads * self.head_v_dim
+        self.segments = [key_dim, key_dim, value_dim]  # q | k | v rows of in_proj_qkv and conv1d
+        self.local_segments = [s // tp.size for s in self.segments]
+        self.conv_dim = sum(self.local_segments)
+        self.kernel = cfg.linear_conv_kernel_dim
+
+        h = cfg.hidden_size
+        self.in_proj_qkv = ColumnParallelLinear(h, self.segments, tp, dtype)
+        self.in_proj_z = ColumnParallelLinear(h, [value_dim], tp, dtype)
+        self.in_proj_b = ColumnParallelLinear(h, [cfg.linear_num_value_heads], tp, dtype)
+        self.in_proj_a = ColumnParallelLinear(h, [cfg.linear_num_value_heads], tp, dtype)
+        self.conv1d = nn.Module()  # holds `weight` [C, 1, K] so names match the checkpoint
+        conv = torch.empty(self.conv_dim, 1, self.kernel, dtype=dtype)
+        self.conv1d.weight = nn.Parameter(conv, False)
+        self.conv1d.weight.weight_loader = self._load_conv
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32), False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32), False)
+        for p in (self.A_log, self.dt_bias):
+            p.weight_loader = lambda param, src, shard_id=None: load_sharded_1d(param, src, tp)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, dtype)
+        self.out_proj = RowParallelLinear(value_dim, h, tp, dtype)
+
+    def _load_conv(self, param: nn.Parameter, src: WeightSource, shard_id=None) -> None:
+        expect_shape(src, (sum(self.segments), 1, self.kernel))
+        src_off = dst_off = 0
+        for full, local in zip(self.segments, self.local_segments, strict=True):
+            start = src_off + self.tp.rank * local
+            rows = src.read(slice(start, start + local))
+            copy_into(param.data[dst_off : dst_off + local], rows, src)
+            src_off += full
+            dst_off += local
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: TargetCaches) -> torch.Tensor:
+        # x [T, hidden]
+        mixed_qkv = self.in_proj_qkv(x)  # [T, C]
+        z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(x).float().sigmoid()  # [T, H]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        conv_cache, ssm_cache = caches.conv[self.layer_idx], caches.ssm[self.layer_idx]
+        weight = self.conv1d.weight[:, 0, :]
+        journal = batch.journal.setdefault(self.layer_idx, [])
+        cu = batch.cu_seqlens
+        outs = []
+        for s in range(batch.num_seqs):
+            lo, hi, slot = cu[s], cu[s + 1], batch.state_slots[s]
+            conv_out, new_conv = gdn.causal_conv(mixed_qkv[lo:hi], conv_cache[slot], weight)
+            q, k, v = self._split_heads(conv_out)
+            o, new_state = gdn.gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi], ssm_cache[slot])
+            if batch.is_verify[s]:
+                journal.append(GDNJournalEntry(mixed_qkv[lo:hi], k, v, g[lo:hi], beta[lo:hi]))
+            else:
+                conv_cache[slot] = new_conv
+                ssm_cache[slot] = new_state
+            outs.append(o)
+        o = torch.cat(outs).to(x.dtype)  # [T, H, Dv]
+        o = self.norm(o, z).reshape(x.shape[0], -1)
+        return self.out_proj(o)
+
+    def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = torch.split(conv_out, self.local_segments, dim=-1)
+        q = q.reshape(-1, self.num_k_heads, self.head_k_dim).float()
+        k = k.reshape(-1, self.num_k_heads, self.head_k_dim).float()
+        v = v.reshape(-1, self.num_v_heads, self.head_v_dim)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * self.head_k_dim**-0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        ratio = self.num_v_heads // self.num_k_heads  # value head j reads key head j // ratio
+        return q.repeat_interleave(ratio, 1), k.repeat_interleave(ratio, 1), v
+
+    def commit(self, batch: ForwardBatch, caches: TargetCaches, num_kept: list[int]) -> None:
+        """Advance each verify sequence's committed state over the first num_kept tokens."""
+        conv_cache, ssm_cache = caches.conv[self.layer_idx], caches.ssm[self.layer_idx]
+        entries = iter(batch.journal.get(self.layer_idx, []))
+        kept = iter(num_kept)
+        for s in range(batch.num_seqs):
+            if not batch.is_verify[s]:
+                continue
+            e, n, slot = next(entries), next(kept), batch.state_slots[s]
+            if n == 0:
+                continue
+            width = conv_cache.shape[-1]
+            seq = torch.cat([conv_cache[slot], e.mixed_qkv[:n].t().to(conv_cache.dtype)], dim=-1)
+            conv_cache[slot] = seq[:, seq.shape[1] - width :]
+            ssm_cache[slot] = gdn.replay_state(e.k[:n], e.v[:n], e.g[:n], e.beta[:n],
+                                               ssm_cache[slot])

@@ -1,0 +1,108 @@
+"""Qwen3.5 sparse MoE: softmax router (fp32) → top-k → renormalise; SwiGLU experts; a shared
+expert scaled by sigmoid(shared_expert_gate). Tensor-parallel on the intermediate dim of every
+expert, so routed and shared outputs are partial sums reduced by one all-reduce."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from configs.model import TargetConfig
+from target.distributed import TPGroup, all_reduce
+from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from target.weights import WeightSource, copy_into, expect_shape
+
+
+class FusedExperts(nn.Module):
+    """gate_up_proj [E, 2·I/tp, H] (this rank's gate rows, then its up rows); down_proj
+    [E, H, I/tp]. Loads both the fused on-disk layout and per-expert tensors."""
+
+    def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.num_experts = e = cfg.num_experts
+        self.hidden = h = cfg.hidden_size
+        self.full_inter = cfg.moe_intermediate_size
+        self.inter = i = tp.shard(cfg.moe_intermediate_size, "moe_intermediate_size")
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype), False)
+        self.gate_up_proj.weight_loader = self._load_gate_up
+        self.down_proj.weight_loader = self._load_down
+
+    def _rows(self) -> slice:
+        return slice(self.tp.rank * self.inter, (self.tp.rank + 1) * self.inter)
+
+    def _load_gate_up(self, param: nn.Parameter, src: WeightSource, shard_id=None) -> None:
+        i, full, r = self.inter, self.full_inter, self._rows()
+        if shard_id is None:  # fused [E, 2·I, H], gate rows first
+            expect_shape(src, (self.num_experts, 2 * full, self.hidden))
+            up = slice(full + r.start, full + r.stop)
+            copy_into(param.data[:, :i], src.read(slice(None), r), src)
+            copy_into(param.data[:, i:], src.read(slice(None), up), src)
+            return
+        expert, which = shard_id  # per-expert gate_proj / up_proj [I, H]
+        expect_shape(src, (full, self.hidden))
+        dst = param.data[expert, :i] if which == "gate" else param.data[expert, i:]
+        copy_into(dst, src.read(r), src)
+
+    def _load_down(self, param: nn.Parameter, src: WeightSource, shard_id=None) -> None:
+        r = self._rows()
+        if shard_id is None:  # fused [E, H, I]
+            expect_shape(src, (self.num_experts, self.hidden, self.full_inter))
+            copy_into(param.data, src.read(slice(None), slice(None), r), src)
+            return
+        expert, _ = shard_id
+        expect_shape(src, (self.hidden, self.full_inter))
+        copy_into(param.data[expert], src.read(slice(None), r), src)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        # x [T, H]; topk_ids/topk_weights [T, k]. Reference path: one matmul pair per expert hit.
+        out = torch.zeros_like(x)
+        flat_ids = topk_ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // topk_ids.shape[1]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = order[start : start + n]
+            tokens = token_of[start : start + n]
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            w = topk_weights.flatten()[idx].unsqueeze(-1)
+            out.index_add_(0, tokens, (y * w).to(out.dtype))
+            start += n
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.top_k = cfg.num_experts_per_tok
+        h, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
+        self.gate = ReplicatedLinear(h, cfg.num_experts, dtype)  # the router
+        self.experts = FusedExperts(cfg, tp, dtype)
+        self.shared_expert = SharedExpert(h, shared, tp, dtype)
+        self.shared_expert_gate = ReplicatedLinear(h, 1, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).to(x.dtype)
+        routed = self.experts(x, topk_ids, topk_weights)
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        return all_reduce(routed + shared, self.tp)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], tp, dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, tp, dtype, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from target.weights import WeightSource, copy_into, expect_shape
+
+
+def _replicated_loader(param: nn.Parameter, src: WeightSource, shard_id=None) -> None:
+    expect_shape(src, tuple(param.shape))
+    copy_into(param.data, src.read(), src)
+
+
+class RMSNorm(nn.Module):
+    """Qwen3.5's zero-centred RMSNorm: x·rsqrt(mean x²+eps)·(1+w), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), False)
+        self.weight.weight_loader = _replicated_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """The Gated DeltaNet output norm: plain weight (not zero-centred), then ·silu(z)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), False)
+        self.weight.weight_loader = _replicated_loader
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(z.float())).to(x.dtype)

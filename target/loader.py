@@ -1,0 +1,129 @@
+"""Loads HF safetensors checkpoints of Qwen3.5-MoE into the tensor-parallel target.
+
+Accepted layouts (DESIGN §3): the published `Qwen3_5MoeForConditionalGeneration` one (text keys
+under `model.language_model.`, fused experts, vision/MTP keys skipped) and the
+`Qwen3_5MoeForCausalLM.save_pretrained` one (keys under `model.`, per-expert tensors); single
+file or sharded with `model.safetensors.index.json`. Each rank reads only its slices.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from configs.model import TargetConfig
+from target.distributed import SINGLE, TPGroup
+from target.model import Qwen3_5MoeForCausalLM
+from target.weights import SafetensorsSource, WeightSource
+
+SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_SHARED = re.compile(r"^(.*\.mlp\.shared_expert)\.(gate|up)_proj\.weight$")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"{index} names {f.name}, which does not exist in {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors files")
+    return files
+
+
+def param_target(key: str) -> tuple[str, object] | None:
+    """Checkpoint key → (parameter name, shard id), or None for keys the text model skips."""
+    if key.startswith(SKIP_PREFIXES):
+        return None
+    if key.startswith("model.language_model."):
+        key = "model." + key[len("model.language_model.") :]
+    if m := _PER_EXPERT.match(key):
+        prefix, expert, which = m.group(1), int(m.group(2)), m.group(3)
+        name = "down_proj" if which == "down" else "gate_up_proj"
+        return f"{prefix}.{name}", (expert, which)
+    if m := _SHARED.match(key):
+        return f"{m.group(1)}.gate_up_proj.weight", 0 if m.group(2) == "gate" else 1
+    return key, None
+
+
+def _expected_shards(name: str, cfg: TargetConfig) -> set | None:
+    """Shard ids that complete a parameter loaded piecewise (per-expert or split tensors);
+    None for parameters that only load whole."""
+    experts = range(cfg.num_experts)
+    if name.endswith("mlp.experts.gate_up_proj"):
+        return {(e, w) for e in experts for w in ("gate", "up")}
+    if name.endswith("mlp.experts.down_proj"):
+        return {(e, "down") for e in experts}
+    if name.endswith("shared_expert.gate_up_proj.weight"):
+        return {0, 1}
+    return None
+
+
+def load_weights(model: Qwen3_5MoeForCausalLM, model_dir: str | Path) -> None:
+    cfg = model.config
+    params = dict(model.named_parameters())
+    loaded: dict[str, set] = {}
+    with ExitStack() as stack:
+        for path in checkpoint_files(model_dir):
+            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            for key in handle.keys():
+                target = param_target(key)
+                if target is None:
+                    continue
+                name, shard_id = target
+                if name not in params:
+                    raise ValueError(
+                        f"{path.name}: tensor {key} matches no parameter of the Qwen3.5-MoE text "
+                        f"model (looked for {name})"
+                    )
+                _load_one(params[name], SafetensorsSource(key, handle, key), shard_id)
+                loaded.setdefault(name, set()).add(shard_id)
+                if cfg.tie_word_embeddings and name == "model.embed_tokens.weight":
+                    _load_one(params["lm_head.weight"], SafetensorsSource(key, handle, key), None)
+                    loaded.setdefault("lm_head.weight", set()).add(None)
+    missing = []
+    for name in params:
+        got = loaded.get(name, set())
+        need = _expected_shards(name, cfg)
+        if None in got or (need is not None and need <= got):
+            continue
+        if need is not None and got:
+            gaps = sorted(need - got, key=str)[:4]
+            missing.append(f"{name} (missing parts: {', '.join(map(str, gaps))})")
+        else:
+            missing.append(name)
+    if missing:
+        more = f" (+{len(missing) - 6} more)" if len(missing) > 6 else ""
+        shown = ", ".join(missing[:6]) + more
+        raise ValueError(f"checkpoint {model_dir} lacks tensors for: {shown}")
+
+
+def _load_one(param: torch.nn.Parameter, src: WeightSource, shard_id) -> None:
+    with torch.no_grad():
+        param.weight_loader(param, src, shard_id)
+
+
+def load_target(
+    model_dir: str | Path,
+    tp: TPGroup = SINGLE,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Qwen3_5MoeForCausalLM:
+    cfg = TargetConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = Qwen3_5MoeForCausalLM(cfg, tp, dtype)
+    load_weights(model, model_dir)
+    return model.eval()

@@ -1,0 +1,99 @@
+"""The Qwen3.5-MoE text model (target), tensor-parallel, over a flat varlen batch."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from configs.model import TargetConfig
+from target.batch import ForwardBatch, TargetCaches
+from target.distributed import SINGLE, TPGroup
+from target.layers.attention import GatedAttention
+from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from target.layers.gdn import GatedDeltaNet
+from target.layers.moe import SparseMoE
+from target.layers.norm import RMSNorm
+from target.layers.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, idx: int, tp: TPGroup, dtype: torch.dtype,
+                 rotary: RotaryEmbedding):
+        super().__init__()
+        self.is_linear = cfg.layer_types[idx] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, idx, tp, dtype)
+        else:
+            self.self_attn = GatedAttention(cfg, idx, tp, dtype, rotary)
+        self.mlp = SparseMoE(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: TargetCaches) -> torch.Tensor:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        x = x + mixer(self.input_layernorm(x), batch, caches)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5MoeTextModel(nn.Module):
+    def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp, dtype, rotary) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class Qwen3_5MoeForCausalLM(nn.Module):
+    def __init__(self, cfg: TargetConfig, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        cfg.check_tp(tp.size)
+        self.config = cfg
+        self.tp = tp
+        self.dtype = dtype
+        self.model = Qwen3_5MoeTextModel(cfg, tp, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, batch: ForwardBatch, caches: TargetCaches
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the final-normed hidden states [T, H] and the aux features [T, n_aux·H]: the
+        residual stream after each layer in batch.aux_layer_ids (before the final norm)."""
+        x = self.embed(batch.input_ids)
+        wanted = set(batch.aux_layer_ids)
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, batch, caches)
+            if i in wanted:
+                aux[i] = x
+        feats = [aux[i] for i in batch.aux_layer_ids]
+        aux_out = torch.cat(feats, dim=-1) if feats else x.new_empty(x.shape[0], 0)
+        return self.model.norm(x), aux_out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def commit_verify(self, batch: ForwardBatch, caches: TargetCaches, num_kept: list[int]) -> None:
+        """After acceptance: advance each verify sequence's GDN state over its first
+        num_kept[i] block tokens (the anchor plus the accepted drafts)."""
+        for layer in self.model.layers:
+            if layer.is_linear:
+                layer.linear_attn.commit(batch, caches, num_kept)
+        batch.journal.clear()
+
+    def cache_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-layer cache entry shapes on this rank (without the block / slot dim)."""
+        layers = self.model.layers
+        attn = next((layer.self_attn for layer in layers if not layer.is_linear), None)
+        gdn = next((layer.linear_attn for layer in layers if layer.is_linear), None)
+        shapes = {}
+        if attn is not None:
+            shapes["kv"] = (attn.num_kv_heads, attn.head_dim)
+        if gdn is not None:
+            shapes["conv"] = (gdn.conv_dim, gdn.kernel - 1)
+            shapes["ssm"] = (gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
+        return shapes

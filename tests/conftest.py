@@ -1,0 +1,41 @@
+import os
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Path:
+    """A directory with target/, target-published/, target-bf16/, draft-full/, draft-swa/
+    (tools.tiny_models.write_all), written once per session."""
+    from tools.tiny_models import write_all
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    write_all(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_demo() -> tuple[Path, Path]:
+    """The committed (target, draft) pair whose draft was trained on that target."""
+    target, draft = ASSETS / "tiny" / "target", ASSETS / "tiny" / "draft"
+    for path in (target, draft):
+        if not (path / "config.json").exists():
+            pytest.fail(f"missing test asset {path}; see tests/assets/README.md")
+    return target, draft
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

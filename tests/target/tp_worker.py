@@ -1,0 +1,91 @@
+"""One tensor-parallel rank of the target on CPU (gloo), and the forward sequence that every rank
+and the single-rank reference run. Lives in its own module so spawned children can import it."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from configs.engine import SamplingParams
+from target.distributed import SINGLE, TPGroup
+from target.loader import load_target
+from target.model import Qwen3_5MoeForCausalLM
+from workers.cache import allocate_target_caches
+from workers.model_runner import ModelRunner, SeqInput
+
+PAGE = 4
+NUM_PAGES = 48
+PROMPT_LENS = (9, 2, 14)
+BLOCK = 6  # verify width B
+KEPT = (1, 4, 6)  # tokens committed after the first verify: anchor only … the whole block
+AUX_LAYERS = (2, 7)
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _tokens(gen: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, 300, (n,), generator=gen).tolist()
+
+
+@torch.inference_mode()
+def run_scenario(model: Qwen3_5MoeForCausalLM) -> dict[str, torch.Tensor]:
+    """Batched prefill of 3 prompts → verify B tokens each → commit KEPT → verify again.
+    Returns each forward's logits [T, V] and aux features [T, n_aux·H]."""
+    caches = allocate_target_caches(model, NUM_PAGES, PAGE, len(PROMPT_LENS), "cpu")
+    runner = ModelRunner(model, caches, AUX_LAYERS, "cpu")
+    gen = torch.Generator().manual_seed(7)
+    pages_per_seq = NUM_PAGES // len(PROMPT_LENS)
+    # Interleaved page ids (seq i owns pages i, i+3, i+6, …) so paging mix-ups cannot hide.
+    tables = [[i + len(PROMPT_LENS) * j for j in range(pages_per_seq)]
+              for i in range(len(PROMPT_LENS))]
+    slots = [2, 0, 1]  # state slot != sequence index
+    params = SamplingParams()
+
+    def forward(name: str, seqs: list[SeqInput], verify: bool):
+        batch = runner._batch(seqs, is_verify=verify)
+        hidden, aux = model(batch, caches)
+        out[f"{name}.logits"] = model.compute_logits(hidden)
+        out[f"{name}.aux"] = aux.clone()
+        return batch
+
+    out: dict[str, torch.Tensor] = {}
+    prompts = [_tokens(gen, n) for n in PROMPT_LENS]
+    forward("prefill", [SeqInput(i, p, 0, tables[i], slots[i], params)
+                        for i, p in enumerate(prompts)], verify=False)
+    blocks = [_tokens(gen, BLOCK) for _ in prompts]
+    batch = forward("verify1", [SeqInput(i, b, len(prompts[i]), tables[i], slots[i], params)
+                                for i, b in enumerate(blocks)], verify=True)
+    model.commit_verify(batch, caches, list(KEPT))
+    blocks = [_tokens(gen, BLOCK) for _ in prompts]
+    forward("verify2", [SeqInput(i, b, len(prompts[i]) + KEPT[i], tables[i], slots[i], params)
+                        for i, b in enumerate(blocks)], verify=True)
+    return out
+
+
+def reference(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    return run_scenario(load_target(model_dir, tp=SINGLE))
+
+
+def run_rank(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    """Entry point of one spawned rank; writes its outputs to out_dir/rank{r}.pt."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only, never a routable interface
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        try:
+            tp = TPGroup(rank=rank, size=world_size, group=None)
+            model = load_target(model_dir, tp=tp)
+            torch.save(run_scenario(model), Path(out_dir) / f"rank{rank}.pt")
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        # The parent reports every rank's traceback: the first rank to exit is often only the
+        # peer of the one that failed ("connection closed by peer").
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise

@@ -1,0 +1,132 @@
+"""Where batches become tensors: the target forward for prefill and verify, acceptance, and the
+commit of the accepted prefix (KV stays, GDN state is replayed). One per TP rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from configs.engine import SamplingParams
+from target.batch import ForwardBatch, TargetCaches
+from target.model import Qwen3_5MoeForCausalLM
+from workers import sampling
+from workers.cache import reset_state_slot
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """One sequence's part of a forward; crosses the driver → worker boundary."""
+
+    seq_id: int
+    token_ids: list[int]  # prefill: the prompt; verify: [anchor, d1 … dK]
+    start_pos: int  # position of token_ids[0]; positions below it are cached
+    block_table: list[int]
+    state_slot: int
+    params: SamplingParams
+
+
+@dataclass
+class StepOutput:
+    """Per sequence: tokens this forward produced (accepted drafts + bonus, or the first token)
+    and the aux features of the tokens it committed to the cache, for the draft context."""
+
+    new_tokens: list[list[int]]
+    num_accepted: list[int]  # accepted draft tokens (0 for prefill)
+    num_committed: list[int]  # tokens entered into the cache (prompt, or anchor + accepted)
+    aux: torch.Tensor  # [sum committed, n_aux·H], sequences concatenated
+    aux_positions: torch.Tensor  # [sum committed] their positions
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3_5MoeForCausalLM, caches: TargetCaches,
+                 aux_layer_ids: tuple[int, ...], device: torch.device | str, seed: int = 0):
+        self.model = model
+        self.caches = caches
+        self.aux_layer_ids = aux_layer_ids
+        self.device = torch.device(device)
+        self.block_size = caches.block_size
+        self.generators: dict[int, torch.Generator] = {}
+        self._seed_source = torch.Generator().manual_seed(seed)
+
+    def _generator(self, seq: SeqInput) -> torch.Generator | None:
+        if seq.params.greedy:
+            return None
+        if seq.seq_id not in self.generators:
+            seed = seq.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source).item())
+            self.generators[seq.seq_id] = torch.Generator().manual_seed(seed)
+        return self.generators[seq.seq_id]
+
+    def release(self, seq_id: int) -> None:
+        self.generators.pop(seq_id, None)
+
+    def _batch(self, seqs: list[SeqInput], is_verify: bool) -> ForwardBatch:
+        ids, pos, slots = [], [], []
+        for s in seqs:
+            n = len(s.token_ids)
+            ids += s.token_ids
+            p = list(range(s.start_pos, s.start_pos + n))
+            pos += p
+            slots += [s.block_table[i // self.block_size] * self.block_size + i % self.block_size
+                      for i in p]
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            query_lens=[len(s.token_ids) for s in seqs],
+            seq_lens=[s.start_pos + len(s.token_ids) for s in seqs],
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            state_slots=[s.state_slot for s in seqs],
+            is_verify=[is_verify] * len(seqs),
+            aux_layer_ids=self.aux_layer_ids,
+        )
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[SeqInput]) -> StepOutput:
+        for s in seqs:
+            if s.start_pos == 0:
+                reset_state_slot(self.caches, s.state_slot)
+        batch = self._batch(seqs, is_verify=False)
+        hidden, aux = self.model(batch, self.caches)
+        last = torch.tensor(batch.cu_seqlens[1:], device=hidden.device) - 1
+        logits = self.model.compute_logits(hidden[last])  # [S, V]
+        new_tokens = []
+        for i, s in enumerate(seqs):
+            if s.params.greedy:
+                tok = int(logits[i].argmax().item())
+            else:
+                probs = sampling.probs_from_logits(logits[i : i + 1], s.params)[0]
+                tok = sampling.sample(probs, self._generator(s))
+            new_tokens.append([tok])
+        return StepOutput(new_tokens, [0] * len(seqs), batch.query_lens, aux, batch.positions)
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[SeqInput]) -> StepOutput:
+        """Each seq's token_ids = [anchor, d1 … dK]. Accept, then commit anchor + accepted."""
+        batch = self._batch(seqs, is_verify=True)
+        hidden, aux = self.model(batch, self.caches)
+        logits = self.model.compute_logits(hidden)  # [T, V]
+        cu = batch.cu_seqlens
+        new_tokens, num_accepted, kept_rows = [], [], []
+        for i, s in enumerate(seqs):
+            block_logits = logits[cu[i] : cu[i + 1]]
+            draft = batch.input_ids[cu[i] + 1 : cu[i + 1]]
+            if s.params.greedy:
+                n, bonus = sampling.accept_greedy(draft, block_logits)
+            else:
+                n, bonus = sampling.accept_sampling(draft, block_logits, s.params,
+                                                    self._generator(s))
+            new_tokens.append(s.token_ids[1 : n + 1] + [bonus])
+            num_accepted.append(n)
+            kept_rows.append(torch.arange(cu[i], cu[i] + n + 1))
+        self.model.commit_verify(batch, self.caches, [n + 1 for n in num_accepted])
+        rows = torch.cat(kept_rows).to(aux.device)
+        committed = [n + 1 for n in num_accepted]
+        return StepOutput(new_tokens, num_accepted, committed, aux[rows], batch.positions[rows])
