@@ -10,6 +10,9 @@ import torch  # noqa: E402
 
 ASSETS = Path(__file__).parent / "assets"
 
+# The tiny models are far faster on one thread than on two fighting over a 2-core machine.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:

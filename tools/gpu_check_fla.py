@@ -89,16 +89,20 @@ def engine_check(target_dir: str, draft_dir: str | None) -> dict:
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (5, 17, 33, 64)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    ar = LLMEngine(EngineConfig(model=target_dir, device="cuda", max_num_seqs=4))
-    ref = [o.output_ids for o in ar.generate(prompts, params)]
     res = {}
-    if draft_dir:
-        for block in (4, 16):
+    for dtype in ("float32", "bfloat16"):
+        ar = LLMEngine(EngineConfig(model=target_dir, device="cuda", dtype=dtype, max_num_seqs=4))
+        ref = [o.output_ids for o in ar.generate(prompts, params)]
+        for block in (4, 16) if draft_dir else ():
             sp = LLMEngine(EngineConfig(model=target_dir, draft_model=draft_dir, block_size=block,
-                                        device="cuda", max_num_seqs=4))
+                                        device="cuda", dtype=dtype, max_num_seqs=4))
             got = [o.output_ids for o in sp.generate(prompts, params)]
-            res[f"B={block}"] = {"equal_to_target_only": got == ref,
-                                 "mean_acceptance": sp.stats.mean_acceptance_length}
+            same = sum(a == b for g, r in zip(got, ref, strict=True)
+                       for a, b in zip(g, r, strict=True))
+            res[f"{dtype} B={block}"] = {
+                "equal_to_target_only": got == ref,
+                "token_match_rate": same / sum(len(r) for r in ref),
+                "mean_acceptance": sp.stats.mean_acceptance_length}
     return res
 
 

@@ -295,7 +295,7 @@ def _published_state_dict(model, dtype: torch.dtype, seed: int) -> dict[str, tor
     # gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], no ".weight".
     for name, tensor in model.state_dict().items():
         if name.startswith("model."):
-            name = "model.language_model." + name[len("model."):]
+            name = "model.language_model." + name[len("model.") :]
         keep_fp32 = name.endswith("linear_attn.A_log")  # the release keeps A_log in fp32
         sd[name] = tensor.to(torch.float32 if keep_fp32 else dtype).contiguous()
     # Real vision-tower keys (a loader must skip them), from a 1-block vision model.

@@ -2,8 +2,9 @@
 
     python -m tools.train_tiny_draft --target tests/assets/tiny/target --out tests/assets/tiny/draft
 
-Reference implementations only: transformers' `Qwen3_5MoeForCausalLM` (fp32, no cache) makes the
-data and verifies; `dflash.model.DFlashDraftModel` is the draft. DFlash's objective: for an
+Reference implementations only: transformers' `Qwen3_5MoeForCausalLM` (fp32) makes the data
+(cached greedy, every token checked by a cache-free forward) and verifies without a cache;
+`dflash.model.DFlashDraftModel` is the draft. DFlash's objective: for an
 anchor position p of a target-greedy sequence x, the draft sees the target's aux features of
 x[:p] and the block [x_p, mask × (B-1)] at positions p … p+B-1 and predicts x[p+1 : p+B] through
 the target's lm_head. Acceptance is measured with cache-free greedy speculative rounds.
@@ -34,7 +35,7 @@ class TrainConfig:
     batch_size: int = 16  # sequences per step
     anchors_per_seq: int = 8  # blocks per sequence per step (DFlash's multi-anchor batches)
     block_sizes: tuple[int, ...] = (16, 16, 8)  # sampled per step
-    lr: float = 3e-3
+    lr: float = 1e-2
     loss_decay: float = 7.0  # DFlash's position weight exp(-(k-1)/gamma)
     eval_prompts_per_kind: int = 8
     eval_new_tokens: int = 64
@@ -85,8 +86,10 @@ def check_feature_offsets(tap: TargetTap, ids: torch.Tensor) -> dict[str, float]
     out = tap.target(ids, use_cache=False, output_hidden_states=True)
     hs, n = out.hidden_states, len(tap.target.model.layers)
     tap(ids)
-    diffs = {f"hidden_states[{k + 1}] vs layer {k}": (hs[k + 1] - tap._outs[k]).abs().max().item()
-             for k in range(n)}
+    diffs = {
+        f"hidden_states[{k + 1}] vs layer {k}": (hs[k + 1] - tap._outs[k]).abs().max().item()
+        for k in range(n)
+    }
     normed_last = tap.target.model.norm(tap._outs[n - 1])
     diffs[f"hidden_states[{n}] vs norm(layer {n - 1})"] = (hs[n] - normed_last).abs().max().item()
     return diffs
@@ -205,9 +208,15 @@ def train(draft, target, seqs, feats, cfg: TrainConfig, log=print) -> None:
         b = cfg.block_sizes[int(torch.randint(len(cfg.block_sizes), (1,), generator=gen))]
         idx = torch.randperm(seqs.shape[0], generator=gen)[: cfg.batch_size]
         hi = cfg.seq_len - b + 1  # anchors in [prompt_len, seq_len - B]: labels are greedy tokens
-        anchors = torch.stack(
-            [torch.randperm(hi - cfg.prompt_len, generator=gen)[: cfg.anchors_per_seq] for _ in idx]
-        ) + cfg.prompt_len
+        anchors = (
+            torch.stack(
+                [
+                    torch.randperm(hi - cfg.prompt_len, generator=gen)[: cfg.anchors_per_seq]
+                    for _ in idx
+                ]
+            )
+            + cfg.prompt_len
+        )
         inputs, labels = multi_block_batch(
             seqs[idx], feats[idx], anchors, b, mask_id, target.model.embed_tokens
         )
@@ -291,8 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     new_tokens = cfg.seq_len - cfg.prompt_len
     prompts = make_prompts(cfg.prompts_per_kind, cfg.prompt_len, seed=cfg.seed + 1)
     seqs, feats, redone = greedy_dataset(tap, prompts, new_tokens)  # feats [N, T, 3H]
-    print(f"data: {tuple(seqs.shape)} greedy sequences ({redone} redone cache-free), "
-          f"{time.time() - t0:.0f}s")
+    print(
+        f"data: {tuple(seqs.shape)} greedy sequences ({redone} redone cache-free), "
+        f"{time.time() - t0:.0f}s"
+    )
 
     train(draft, target, seqs, feats, cfg)
     tiny_models.save_draft(draft, args.out, "full")
@@ -302,8 +313,11 @@ def main(argv: list[str] | None = None) -> None:
     reference = greedy_dataset(tap, held_out, cfg.eval_new_tokens)[0]
     kinds = ("corpus", "random", "chat")
     results = {}
-    for name, b, post_norm in (("B=16", 16, False), ("B=8", 8, False),
-                               ("B=16, post-norm last-layer features", 16, True)):
+    for name, b, post_norm in (
+        ("B=16", 16, False),
+        ("B=8", 8, False),
+        ("B=16, post-norm last-layer features", 16, True),
+    ):
         tap.post_norm_last = post_norm
         per_kind = {}
         for k, kind in enumerate(kinds):
@@ -316,8 +330,10 @@ def main(argv: list[str] | None = None) -> None:
         results[name] = round(total, 2)
         detail = ", ".join(f"{kind} {m:.2f}" for kind, (m, _, _) in per_kind.items())
         mism = sum(x for _, _, x in per_kind.values())
-        print(f"{name}: mean committed/round {total:.2f} ({detail}); "
-              f"{mism} outputs differ from plain greedy")
+        print(
+            f"{name}: mean committed/round {total:.2f} ({detail}); "
+            f"{mism} outputs differ from plain greedy"
+        )
     tap.post_norm_last = False
     print(json.dumps({"acceptance": results, "config": asdict(cfg)}))
     print(f"total {time.time() - t0:.0f}s")

@@ -14,8 +14,20 @@ from configs.engine import EngineConfig, SamplingParams
 from workers.sampling import probs_from_logits
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
-PROMPT = [72, 101, 108, 108, 111, 44, 32]
 N = 3000
+
+
+def _prompt() -> list[int]:
+    # A text prompt extended by the target's own greedy continuation: there the demo draft
+    # predicts well, so the first round really accepts drafts as well as rejecting them.
+    from deploy.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(str(DEMO / "target")).encode("To make bread, mix")
+    eng = LLMEngine(EngineConfig(model=str(DEMO / "target"), max_num_seqs=1, kv_block_size=4))
+    return ids + eng.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].output_ids
+
+
+PROMPT = _prompt()
 
 
 def exact_joint(params: SamplingParams) -> dict[tuple[int, int], float]:

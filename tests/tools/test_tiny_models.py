@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tools import tiny_models
+from tools import tiny_models as tm  # `tiny_models` is the fixture
 
 H, E, I, L = 64, 8, 32, 8  # hidden, experts, expert intermediate, layers  # noqa: E741
-MASK_ID = tiny_models.special_token_ids()["<|mask|>"]
+MASK_ID = tm.special_token_ids()["<|mask|>"]
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -28,9 +28,9 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "name, write",
     [
-        ("target", lambda d: tiny_models.write_tiny_target(d)),
-        ("target-published", lambda d: tiny_models.write_tiny_target(d, "published", 2)),
-        ("draft-swa", lambda d: tiny_models.write_tiny_draft(d, "swa")),
+        ("target", lambda d: tm.write_tiny_target(d)),
+        ("target-published", lambda d: tm.write_tiny_target(d, "published", 2)),
+        ("draft-swa", lambda d: tm.write_tiny_draft(d, "swa")),
     ],
 )
 def test_writing_twice_gives_identical_bytes(tiny_models, tmp_path, name, write):
@@ -69,7 +69,7 @@ def test_target_loads_in_transformers_with_peaked_logits(tiny_models):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     config = model.config
     assert config.layer_types[3] == config.layer_types[7] == "full_attention"
-    assert config.vocab_size == 384 and config.eos_token_id == tiny_models_ids()["<|im_end|>"]
+    assert config.vocab_size == 384 and config.eos_token_id == tm.special_token_ids()["<|im_end|>"]
     norms = [p for n, p in model.named_parameters() if n.endswith("input_layernorm.weight")]
     assert all(0 < p.abs().mean() < 0.5 for p in norms)  # small, zero-centred, not zero
 
@@ -85,10 +85,6 @@ def test_target_loads_in_transformers_with_peaked_logits(tiny_models):
         out = model.generate(ids[:2, :8], max_new_tokens=24, do_sample=False, min_new_tokens=24)
     for row in out[:, 8:]:
         assert len(set(row.tolist())) >= 8  # greedy continuations are not a constant token
-
-
-def tiny_models_ids() -> dict[str, int]:
-    return tiny_models.special_token_ids()
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,7 +145,7 @@ def test_published_has_the_per_expert_numbers(tiny_models):
 
 
 def test_published_bf16_keeps_a_log_fp32(tmp_path):
-    tiny_models.write_tiny_target(tmp_path, "published", num_shards=3, dtype=torch.bfloat16)
+    tm.write_tiny_target(tmp_path, "published", num_shards=3, dtype=torch.bfloat16)
     sd = _tensors(tmp_path)
     assert len(list(tmp_path.glob("model-*-of-00003.safetensors"))) == 3
     a_log = [k for k in sd if k.endswith("A_log")]
@@ -180,7 +176,7 @@ def test_tokenizer_round_trips_and_renders_chatml(tiny_models):
 
     tok = AutoTokenizer.from_pretrained(tiny_models / "target")
     assert len(tok) == 320
-    ids = tiny_models_ids()
+    ids = tm.special_token_ids()
     assert tok.convert_tokens_to_ids(list(ids)) == list(ids.values())
     assert tok.eos_token_id == ids["<|im_end|>"] and tok.pad_token_id == ids["<|endoftext|>"]
     for text in ["Hello, world!", "  two  spaces\n\nand lines", "naïve café ☕ 12345", "x" * 50]:
@@ -223,7 +219,9 @@ def test_drafts_reload_with_the_reference(tiny_models):
         assert draft.mask_token_id == MASK_ID and draft.config.num_target_layers == L
         ctx, block = torch.randn(1, 5, len(ids) * H), torch.randn(1, 16, H)
         with torch.no_grad():
-            out = draft(position_ids=torch.arange(21)[None], noise_embedding=block, target_hidden=ctx)
+            out = draft(
+                position_ids=torch.arange(21)[None], noise_embedding=block, target_hidden=ctx
+            )
         assert out.shape == (1, 16, H) and torch.isfinite(out).all()
 
 
