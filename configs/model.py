@@ -55,14 +55,7 @@ class TargetConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     def __post_init__(self) -> None:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                f"{self.num_hidden_layers}"
-            )
-        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if bad:
-            raise ValueError(f"layer_types holds unknown types {bad}; expected {LAYER_TYPES}")
+        check_layer_types(self.layer_types, self.num_hidden_layers, LAYER_TYPES)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -145,6 +138,17 @@ class TargetConfig:
                 f"expected one of {TARGET_ARCHITECTURES}"
             )
         return cls.from_dict(raw)
+
+
+def check_layer_types(layer_types: tuple[str, ...], num_layers: int,
+                      allowed: tuple[str, ...]) -> None:
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"layer_types has {len(layer_types)} entries but num_hidden_layers is {num_layers}"
+        )
+    bad = sorted(set(layer_types) - set(allowed))
+    if bad:
+        raise ValueError(f"layer_types holds unsupported types {bad}; expected {allowed}")
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:

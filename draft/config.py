@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from configs.model import TargetConfig, read_config_json
+from configs.model import TargetConfig, check_layer_types, read_config_json
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -48,14 +48,7 @@ class DraftConfig:
     def __post_init__(self) -> None:
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_hidden_layers)
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                f"{self.num_hidden_layers}"
-            )
-        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if bad:
-            raise ValueError(f"layer_types holds unsupported types {bad}; expected {LAYER_TYPES}")
+        check_layer_types(self.layer_types, self.num_hidden_layers, LAYER_TYPES)
         if "sliding_attention" not in self.layer_types:
             object.__setattr__(self, "sliding_window", None)
         if self.sliding_window is not None and self.sliding_window < 1:
