@@ -17,6 +17,7 @@ from cluster.block_manager import BlockManager
 from cluster.scheduler import Scheduler
 from cluster.sequence import Sequence
 from configs.engine import EngineConfig, SamplingParams
+from configs.model import TargetConfig
 from draft.config import DraftConfig
 from draft.model import DFlashDraftModel
 from draft.proposer import DraftRunner
@@ -70,42 +71,72 @@ def read_eos_ids(model_dir: str, from_config: tuple[int, ...]) -> set[int]:
     return ids
 
 
-class LLMEngine:
-    def __init__(self, cfg: EngineConfig):
-        self.cfg = cfg
-        device = torch.device(cfg.device)
-        self.target = load_target(cfg.model, dtype=cfg.torch_dtype, device=device)
-        tcfg = self.target.config
-        self.max_model_len = cfg.max_model_len or tcfg.max_position_embeddings
-        self.draft_config: DraftConfig | None = None
-        draft = None
+@dataclass(frozen=True)
+class EnginePlan:
+    """What both the in-process and the Ray engine derive from an EngineConfig."""
+
+    target_config: TargetConfig
+    draft_config: DraftConfig | None  # with the block-size override applied
+    block_size: int  # B tokens verified per round; 1 without a draft
+    max_model_len: int
+    num_kv_blocks: int
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.draft_config.target_layer_ids) if self.draft_config else ()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> EnginePlan:
+        tcfg = TargetConfig.from_pretrained(cfg.model)
+        dcfg = None
         if cfg.draft_model:
             dcfg = DraftConfig.from_pretrained(cfg.draft_model)
             dcfg.validate_against(tcfg)
             if cfg.block_size is not None:
                 dcfg = dcfg.with_block_size(cfg.block_size)
-            self.draft_config = dcfg
-            draft = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
-                                                     device=device, block_size=dcfg.block_size)
-        self.block_size = self.draft_config.block_size if draft else 1  # B tokens verified
-        page = cfg.kv_block_size
-        pages_per_seq = -(-(self.max_model_len + self.block_size) // page)
+        block = dcfg.block_size if dcfg else 1
+        max_len = cfg.max_model_len or tcfg.max_position_embeddings
+        pages_per_seq = -(-(max_len + block) // cfg.kv_block_size)
         num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * pages_per_seq
-        caches = allocate_target_caches(self.target, num_blocks, page, cfg.max_num_seqs, device)
-        aux_ids = tuple(self.draft_config.target_layer_ids) if draft else ()
-        self.runner = ModelRunner(self.target, caches, aux_ids, device, cfg.seed)
-        self.drafter = (
-            DraftRunner(draft, num_blocks, page, self.block_size, self.target.embed,
-                        self.target.compute_logits, device)
-            if draft else None
-        )
-        self.blocks = BlockManager(num_blocks, page, cfg.max_num_seqs)
+        return cls(tcfg, dcfg, block, max_len, num_blocks)
+
+
+class LLMEngine:
+    """`runner` (prefill / verify / release) and `drafter` (propose / write_context) run in
+    this process by default; the Ray driver passes actor-backed ones with the same methods."""
+
+    def __init__(self, cfg: EngineConfig, runner=None, drafter=None,
+                 plan: EnginePlan | None = None):
+        self.cfg = cfg
+        self.plan = plan or EnginePlan.from_config(cfg)
+        self.target_config = self.plan.target_config
+        self.draft_config = self.plan.draft_config
+        self.block_size = self.plan.block_size
+        self.max_model_len = self.plan.max_model_len
+        if runner is None:
+            runner, drafter = self._local_parts(cfg)
+        self.runner, self.drafter = runner, drafter
+        self.blocks = BlockManager(self.plan.num_kv_blocks, cfg.kv_block_size, cfg.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, self.max_model_len,
                                    lookahead=self.block_size)
-        self.eos_ids = read_eos_ids(cfg.model, tcfg.eos_token_ids)
+        self.eos_ids = read_eos_ids(cfg.model, self.target_config.eos_token_ids)
         self.stats = AcceptanceStats()
         self._seq_ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
+
+    def _local_parts(self, cfg: EngineConfig) -> tuple[ModelRunner, DraftRunner | None]:
+        device, plan = torch.device(cfg.device), self.plan
+        self.target = load_target(cfg.model, dtype=cfg.torch_dtype, device=device)
+        caches = allocate_target_caches(self.target, plan.num_kv_blocks, cfg.kv_block_size,
+                                        cfg.max_num_seqs, device)
+        runner = ModelRunner(self.target, caches, plan.aux_layer_ids, device, cfg.seed)
+        if plan.draft_config is None:
+            return runner, None
+        draft = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
+                                                 device=device, block_size=plan.block_size)
+        drafter = DraftRunner(draft, plan.num_kv_blocks, cfg.kv_block_size, plan.block_size,
+                              self.target.embed, self.target.compute_logits, device)
+        return runner, drafter
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -113,7 +144,7 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         if not prompt_ids:
             raise ValueError("prompt is empty")
-        vocab = self.target.config.vocab_size
+        vocab = self.target_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from configs.model import TargetConfig
 from target.distributed import SINGLE, TPGroup
+from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.model import Qwen3_5MoeForCausalLM
 from target.weights import SafetensorsSource, WeightSource
 
@@ -127,3 +128,34 @@ def load_target(
         model = Qwen3_5MoeForCausalLM(cfg, tp, dtype)
     load_weights(model, model_dir)
     return model.eval()
+
+
+def load_embedding_and_head(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[VocabParallelEmbedding, ParallelLMHead]:
+    """Only the target's input embedding and lm_head, unsharded: what a draft running in its
+    own process needs (it embeds its block and reads logits through the target's)."""
+    cfg = TargetConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, SINGLE, dtype)
+        head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, SINGLE, dtype)
+    wanted = {"model.embed_tokens.weight": [embed.weight], "lm_head.weight": [head.weight]}
+    if cfg.tie_word_embeddings:
+        wanted["model.embed_tokens.weight"].append(head.weight)
+    done = set()
+    with ExitStack() as stack:
+        for path in checkpoint_files(model_dir):
+            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            for key in handle.keys():
+                target = param_target(key)
+                if target is None or target[0] not in wanted:
+                    continue
+                for param in wanted[target[0]]:
+                    _load_one(param, SafetensorsSource(key, handle, key), None)
+                    done.add(id(param))
+    for name, param in (("model.embed_tokens.weight", embed.weight),
+                        ("lm_head.weight", head.weight)):
+        if id(param) not in done:
+            raise ValueError(f"checkpoint {model_dir} lacks tensors for: {name}")
+    return embed.eval(), head.eval()

@@ -42,3 +42,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the session: fake GPUs are enough for placement on CPU."""
+    import ray
+
+    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
