@@ -1,0 +1,81 @@
+"""Per-round cost of each Ray hop of the cluster path, on whatever machine runs it.
+
+    python -m bench.ray_hops --model tests/assets/tiny/target --draft tests/assets/tiny/draft --tp 2
+
+Times (median / p90 over --iters): an empty call to every TP worker (driver → workers fan-out),
+an empty call to the draft actor, the draft's propose, a verify round through the workers, and
+the context write carrying one round's aux features (driver → draft, object store)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import ray
+import torch
+
+from cluster.ray_executor import RayEngineCluster
+from configs.engine import EngineConfig, SamplingParams
+from workers.model_runner import SeqInput
+
+
+def timeit(fn, iters: int) -> dict:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t) * 1e3)
+    samples.sort()
+    return {"median_ms": round(statistics.median(samples), 3),
+            "p90_ms": round(samples[int(0.9 * (len(samples) - 1))], 3)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--iters", type=int, default=100)
+    args = p.parse_args()
+    ray.init(num_cpus=8, num_gpus=args.tp if args.device == "cpu" else None,
+             include_dashboard=False, log_to_driver=False)
+    cfg = EngineConfig(model=args.model, draft_model=args.draft, block_size=args.block_size,
+                       device=args.device, max_num_seqs=4, kv_block_size=16)
+    cluster = RayEngineCluster(cfg, args.tp)
+    eng = cluster.engine
+    rid = eng.add_request(list(range(10, 40)), SamplingParams(max_tokens=1000, ignore_eos=True))
+    eng.step()  # prefill
+    seq = eng._by_request[rid]
+    B, aux_width = eng.block_size, eng.plan.target_config.hidden_size * len(eng.plan.aux_layer_ids)
+    block = [seq.anchor] + [1] * (B - 1)
+    verify_in = [SeqInput(seq.seq_id, block, seq.num_cached, seq.block_table, seq.state_slot,
+                          seq.params)]
+    aux = torch.randn(B, aux_width)
+    pos = torch.arange(seq.num_cached, seq.num_cached + B)
+    results = {
+        "workers_empty_call": timeit(lambda: ray.get([w.ping.remote() for w in cluster.workers]),
+                                     args.iters),
+        "draft_empty_call": timeit(lambda: ray.get(cluster.draft.ping.remote()), args.iters),
+        "draft_propose": timeit(lambda: eng.drafter.propose([seq.anchor], [seq.num_cached],
+                                                            [seq.block_table]), args.iters),
+        # Re-verifies the same block at the same position. Each repeat commits whatever it
+        # accepts, so the sequence's state drifts from its bookkeeping: only timings are read.
+        "verify_round": timeit(lambda: eng.runner.verify(verify_in), args.iters),
+        "context_write_B_tokens": timeit(lambda: ray.get(cluster.draft.write_context.remote(
+            aux, pos, [seq.block_table], [B])), args.iters),
+        "full_engine_step": timeit(eng.step, args.iters),
+    }
+    report = {"tp": args.tp, "device": args.device, "block_size": B, "results": results}
+    print(json.dumps(report, indent=1))
+    cluster.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
