@@ -1,0 +1,393 @@
+"""The OpenAI-compatible HTTP API over any `EngineClient`: /v1/models, /v1/completions,
+/v1/chat/completions (JSON or SSE), /health, /metrics.
+
+Text lives here, token ids in the engine: prompts are tokenised (chat through the target's
+template), outputs detokenised incrementally, and stop strings cut here (the engine request is
+aborted as soon as one appears).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing, suppress
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from deploy.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    EngineOverloaded,
+    EngineStepError,
+    RequestTiming,
+)
+from deploy.metrics import ServingMetrics
+from deploy.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    RequestError,
+    Usage,
+    parse_request,
+    value_error,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class TextStream:
+    """Incremental detokenisation and stop strings for one request. Text is released only once
+    it cannot change: not ending in an incomplete UTF-8 sequence (decoded as U+FFFD) and not a
+    possible start of a stop string. The released pieces concatenate to `decode(all ids)`."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1  # chars a stop string may hide
+        self.ids: list[int] = []
+        # vLLM's offsets: ids[prefix:read] decoded last time, kept as context for the next
+        # window (decoding a window alone can differ at its start, e.g. SentencePiece spaces).
+        self.prefix = self.read = 0
+        self.text = ""
+        self.sent = 0  # chars of text already released
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _advance(self, final: bool) -> None:
+        if self.tokenizer is None:
+            return
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            start = max(0, len(self.text) - self.hold)
+            self.text += after[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[: min(hits)], True
+
+    def add(self, token_ids: list[int]) -> int:
+        """Feeds tokens one by one; returns how many were taken (fewer after a stop string)."""
+        for i, tok in enumerate(token_ids):
+            self.ids.append(tok)
+            self._advance(final=False)
+            if self.stopped:
+                return i + 1
+        return len(token_ids)
+
+    def release(self, final: bool) -> str:
+        if final and not self.stopped:
+            self._advance(final=True)
+        end = len(self.text) if final or self.stopped else len(self.text) - self.hold
+        if end <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent : end], end
+        return delta
+
+
+class _Generation:
+    """One request's stream of (text delta, token ids, finish reason)."""
+
+    def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], params,
+                 text: TextStream, timing: RequestTiming):
+        self.prompt_ids = prompt_ids
+        self.text = text
+        self.timing = timing
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._stream = client.generate(request_id, prompt_ids, params, timing)
+        self._first = None
+
+    async def start(self) -> None:
+        """Waits for the first output, so request errors surface before any response."""
+        try:
+            self._first = await anext(self._stream)
+        except BaseException:
+            await self._stream.aclose()
+            raise
+
+    async def deltas(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
+        out = self._first
+        try:
+            while True:
+                ids = out.new_token_ids[: self.text.add(out.new_token_ids)]
+                self.token_ids += ids
+                done = self.text.stopped or out.finished
+                delta = self.text.release(final=done)  # may still meet a stop string
+                if done:
+                    self.finish_reason = "stop" if self.text.stopped else out.finish_reason
+                    yield delta, ids, self.finish_reason
+                    return
+                if delta or ids:
+                    yield delta, ids, None
+                out = await anext(self._stream)
+        finally:
+            await self._stream.aclose()  # aborts the engine request if it is still running
+
+    @property
+    def usage(self) -> Usage:
+        n, m = len(self.prompt_ids), len(self.token_ids)
+        return Usage(prompt_tokens=n, completion_tokens=m, total_tokens=n + m)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, or cancels it (aborting the engine request) and raises ClientDisconnect
+    if the client hangs up first: uvicorn does not cancel a handler whose client left."""
+
+    async def hung_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientDisconnect()
+    return task.result()
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def as_request_error(e: Exception) -> RequestError:
+    if isinstance(e, RequestError):
+        return e
+    if isinstance(e, ValueError):
+        return value_error(e)
+    if isinstance(e, EngineOverloaded):
+        return RequestError(str(e), None, "engine_overloaded", 429, "rate_limit_error")
+    if isinstance(e, EngineDeadError):
+        return RequestError(str(e), None, "engine_unavailable", 503, "service_unavailable")
+    if isinstance(e, EngineStepError):
+        return RequestError(str(e), None, "engine_step_failed", 500, "internal_server_error")
+    log.error("unexpected error", exc_info=e)
+    return RequestError(f"internal server error ({type(e).__name__}: {e})", None,
+                        "internal_error", 500, "internal_server_error")
+
+
+class OpenAIServer:
+    def __init__(self, client: EngineClient, tokenizer, metrics: ServingMetrics):
+        self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
+
+    def error(self, endpoint: str, e: Exception) -> JSONResponse:
+        err = as_request_error(e)
+        self.metrics.observe_error(endpoint, err.status)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(req, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            self._need_tokenizer("messages")
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            except Exception as e:
+                raise RequestError(f"the chat template rejected the messages: {e}",
+                                   "messages") from None
+            return list(ids)
+        prompt = req.prompt
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            ids = list(prompt)
+        else:
+            self._need_tokenizer("prompt")
+            ids = self.tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
+        if not ids:
+            raise RequestError("prompt is empty", "prompt")
+        if any(not 0 <= t < self.client.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {self.client.vocab_size})",
+                               "prompt")
+        return ids
+
+    def _need_tokenizer(self, param: str) -> None:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer; send the prompt as token ids to "
+                               "/v1/completions", param)
+
+    def _max_tokens(self, req, num_prompt: int) -> int:
+        chat = isinstance(req, ChatCompletionRequest)
+        requested = req.requested_max_tokens if chat else req.max_tokens
+        param = "max_completion_tokens" if chat and req.max_completion_tokens is not None \
+            else "max_tokens"
+        context = self.client.max_model_len
+        if num_prompt >= context:
+            raise RequestError(
+                f"the prompt has {num_prompt} tokens but the context holds {context}; "
+                "shorten the prompt", "messages" if chat else "prompt", "context_length_exceeded")
+        if requested is None:
+            return context - num_prompt
+        if requested <= 0:
+            raise RequestError(f"{param} must be a positive integer, got {requested}", param)
+        if num_prompt + requested > context:
+            raise RequestError(
+                f"the context holds {context} tokens; the prompt has {num_prompt} and {param} "
+                f"asks for {requested} more; lower {param}", param, "context_length_exceeded")
+        return requested
+
+    async def create(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat_completions" if chat else "completions"
+        timing = RequestTiming()
+        gen = None
+        try:
+            req = parse_request(ChatCompletionRequest if chat else CompletionRequest,
+                                await request.body())
+            if req.model is not None and req.model != self.client.model_name:
+                raise RequestError(f"the model {req.model!r} does not exist; this server serves "
+                                   f"{self.client.model_name!r}", "model", "model_not_found", 404)
+            if req.stop_strings:
+                self._need_tokenizer("stop")
+            prompt_ids = self._prompt_ids(req)
+            params = req.sampling_params(self._max_tokens(req, len(prompt_ids)))
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            gen = _Generation(self.client, request_id, prompt_ids, params,
+                              TextStream(self.tokenizer, req.stop_strings), timing)
+            await _unless_disconnected(request, gen.start())
+            if req.stream:
+                body = self._stream(endpoint, req, request_id, gen)
+                # Starlette does not close the body after a disconnect; closing it aborts the
+                # engine request now rather than whenever the generator is collected.
+                return StreamingResponse(body, media_type="text/event-stream",
+                                         background=BackgroundTask(body.aclose))
+            response = await _unless_disconnected(request, self._complete(req, request_id, gen))
+        except ClientDisconnect:  # the engine request was aborted; nobody reads a reply
+            if gen is not None:
+                self._observe(endpoint, gen)
+            return Response(status_code=499)
+        except Exception as e:
+            return self.error(endpoint, e)
+        self._observe(endpoint, gen)
+        return JSONResponse(response.model_dump(mode="json"))
+
+    async def _complete(self, req, request_id: str, gen: _Generation
+                        ) -> CompletionResponse | ChatCompletionResponse:
+        text, ids = [], []
+        async with aclosing(gen.deltas()) as deltas:
+            async for delta, delta_ids, _ in deltas:
+                text.append(delta)
+                ids += delta_ids
+        token_ids = ids if req.return_token_ids else None
+        common = dict(id=request_id, model=self.client.model_name, usage=gen.usage,
+                      prompt_token_ids=gen.prompt_ids if req.return_token_ids else None)
+        if isinstance(req, ChatCompletionRequest):
+            return ChatCompletionResponse(**common, choices=[ChatChoice(
+                message=AssistantMessage(content="".join(text)), finish_reason=gen.finish_reason,
+                token_ids=token_ids)])
+        return CompletionResponse(**common, choices=[CompletionChoice(
+            text="".join(text), finish_reason=gen.finish_reason, token_ids=token_ids)])
+
+    async def _stream(self, endpoint: str, req, request_id: str, gen: _Generation
+                      ) -> AsyncIterator[str]:
+        chat = isinstance(req, ChatCompletionRequest)
+        created, model = int(time.time()), self.client.model_name
+        exclude = None if req.include_usage else {"usage"}
+        first_ids = {"prompt_token_ids": gen.prompt_ids} if req.return_token_ids else {}
+
+        def chunk(text: str | None, ids: list[int] | None, finish: str | None,
+                  role: str | None = None) -> str:
+            ids = ids if req.return_token_ids else None
+            if chat:
+                body = ChatCompletionChunk(id=request_id, created=created, model=model,
+                                           **first_ids, choices=[ChatChunkChoice(
+                                               delta=DeltaMessage(role=role, content=text),
+                                               finish_reason=finish, token_ids=ids)])
+            else:
+                body = CompletionResponse(id=request_id, created=created, model=model,
+                                          **first_ids, choices=[CompletionChoice(
+                                              text=text, finish_reason=finish, token_ids=ids)])
+            first_ids.clear()
+            return _sse(body.model_dump(mode="json", exclude=exclude))
+
+        failed = False
+        try:
+            if chat:
+                yield chunk("", None, None, role="assistant")
+            async with aclosing(gen.deltas()) as deltas:
+                async for delta, ids, finish in deltas:
+                    yield chunk(delta, ids, finish)
+            if req.include_usage:
+                cls = ChatCompletionChunk if chat else CompletionResponse
+                yield _sse(cls(id=request_id, created=created, model=model, choices=[],
+                               usage=gen.usage).model_dump(mode="json"))
+            yield _sse("[DONE]")
+        except Exception as e:  # headers are sent: report in-band, as OpenAI does
+            failed, err = True, as_request_error(e)
+            self.metrics.observe_error(endpoint, err.status)
+            yield _sse(err.body())
+            yield _sse("[DONE]")
+        finally:  # also on client disconnect (cancellation): the engine request was aborted
+            if not failed:
+                self._observe(endpoint, gen)
+
+    def _observe(self, endpoint: str, gen: _Generation) -> None:
+        self.metrics.observe_request(endpoint, gen.finish_reason or "abort", len(gen.prompt_ids),
+                                     len(gen.token_ids), gen.timing, time.monotonic())
+
+
+def build_app(client: EngineClient, tokenizer) -> FastAPI:
+    """The API over `client`; `tokenizer` is the target's (None: token-id prompts only)."""
+    app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None)
+    metrics = ServingMetrics(client.snapshot)
+    server = OpenAIServer(client, tokenizer, metrics)
+    app.state.metrics, app.state.server = metrics, server
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = RequestError(str(exc.detail), None, None, exc.status_code)
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = ModelCard(id=client.model_name, max_model_len=client.max_model_len)
+        return ModelList(data=[card]).model_dump(mode="json")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.create(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.create(request, chat=True)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await client.check_health()
+        except Exception as e:
+            err = RequestError(f"unhealthy: {e}", None, "engine_unavailable", 503,
+                               "service_unavailable")
+            return JSONResponse(err.body(), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

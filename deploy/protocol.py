@@ -1,0 +1,267 @@
+"""The subset of the OpenAI API we serve, as pydantic models, and its error shape.
+
+Requests are parsed leniently where OpenAI's clients send extras (unknown fields are ignored)
+but strictly where silence would mislead: a feature we do not implement (logprobs, penalties,
+n > 1, tools, ...) is a 400 naming the field, never quietly dropped.
+Extensions (vLLM's names): `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from configs.engine import SamplingParams
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature 0 for greedy decoding
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (1/T would overflow the logits)
+MAX_STOP_STRINGS = 4
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _absent(v: Any) -> bool:
+    return v is None
+
+
+class RequestError(Exception):
+    """An error the client caused or must react to, rendered as OpenAI's error JSON."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 status: int = 400, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = (
+            message, param, code, status, type)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+# Fields OpenAI defines that we do not implement → 400 unless neutral (absent/null/false/0/{}).
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
+               "frequency_penalty", "tools", "functions", "audio", "prediction")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None  # None → the served model
+    temperature: float | None = Field(None, allow_inf_nan=False)  # None → DEFAULT_TEMPERATURE
+    top_p: float | None = Field(None, allow_inf_nan=False)
+    top_k: int | None = None  # extension; 0 or -1 → disabled
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    n: int | None = 1
+    best_of: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False  # extension
+    return_token_ids: bool | None = False  # extension: prompt_token_ids and choices' token_ids
+
+    def check(self) -> None:
+        if self.n not in (None, 1):
+            raise RequestError(f"only n=1 is supported, got {self.n}", "n")
+        if self.best_of not in (None, 1):
+            raise RequestError(f"only best_of=1 is supported, got {self.best_of}", "best_of")
+        for name in UNSUPPORTED:
+            value = (self.model_extra or {}).get(name)
+            if value not in (None, False, 0, {}, []):
+                raise RequestError(f"{name} is not supported by this server", name)
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got "
+                               f"{len(self.stop_strings)}", "stop")
+        if any(s == "" for s in self.stop_strings):
+            raise RequestError("stop strings must not be empty", "stop")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream=true",
+                               "stream_options")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0.0 if 0 <= temperature < GREEDY_BELOW else temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0, seed=self.seed,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=bool(self.ignore_eos))
+        except ValueError as e:
+            raise value_error(e) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS  # None → the rest of the context
+
+    def check(self) -> None:
+        super().check()
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise RequestError("a list of prompts must hold exactly one string "
+                                   "(batched prompts are not supported)", "prompt")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(p.type != "text" or p.text is None for p in self.content):
+            raise RequestError("only text content parts are supported", "messages")
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: int | None = None  # wins over max_tokens; None → rest of context
+
+    def check(self) -> None:
+        super().check()
+        fmt = (self.model_extra or {}).get("response_format")
+        if fmt not in (None, {"type": "text"}):
+            raise RequestError("response_format is not supported by this server",
+                               "response_format")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+def parse_request(model: type[BaseModel], raw: bytes) -> Any:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") \
+            from None
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise RequestError(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+    req.check()
+    return req
+
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids")
+
+
+def value_error(e: ValueError) -> RequestError:
+    """A ValueError from SamplingParams or the engine; its message starts with the field."""
+    msg = str(e)
+    first = msg.split(" ", 1)[0]
+    param = first if first in SAMPLING_FIELDS else "prompt" if first == "prompt" else None
+    return RequestError(msg, param)
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_absent)  # return_token_ids
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_absent)  # return_token_ids
+
+
+class CompletionResponse(_Response):
+    # OpenAI uses the same object name for the response and its stream chunks.
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_absent)
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = Field(None, exclude_if=_absent)
+    content: str | None = Field(None, exclude_if=_absent)
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = Field(None, exclude_if=_absent)
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "dflash-serve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

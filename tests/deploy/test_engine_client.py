@@ -1,0 +1,213 @@
+"""LocalEngineClient: one engine thread behind asyncio streams. Same tokens as the engine run
+directly, aborts free pages and slots, a failing step fails its requests but not the loop,
+admission limit, clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.engine import LLMEngine
+from configs.engine import EngineConfig, SamplingParams
+from deploy.engine_client import (
+    EngineDeadError,
+    EngineOverloaded,
+    EngineStepError,
+    LocalEngineClient,
+    RequestTiming,
+)
+
+DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
+
+
+def make_engine(draft: bool = True) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(DEMO / "target"),
+                                  draft_model=str(DEMO / "draft") if draft else None,
+                                  block_size=8 if draft else None, max_num_seqs=8,
+                                  kv_block_size=8))
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 320, (int(k),), generator=g).tolist()
+            for k in torch.randint(3, 30, (n,), generator=g)]
+
+
+@pytest.fixture
+def client():
+    c = LocalEngineClient(make_engine(), "tiny")
+    yield c
+    c.close()
+
+
+async def collect(client, request_id, prompt, params, timing=None):
+    streamed, last = [], None
+    async for out in client.generate(request_id, prompt, params, timing):
+        streamed += out.new_token_ids
+        last = out
+    assert streamed == last.output_ids
+    return last
+
+
+def assert_idle(engine: LLMEngine) -> None:
+    assert len(engine.blocks.free_blocks) == engine.blocks.num_blocks
+    assert len(engine.blocks.free_slots) == engine.blocks.num_slots
+    assert not engine.has_unfinished()
+
+
+def test_concurrent_requests_equal_target_only_generate(client):
+    ps = prompts(6, 0)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+              for m in (5, 40, 17, 1, 28, 33)]
+    want = [o.output_ids for o in make_engine(draft=False).generate(ps, params)]
+    timings = [RequestTiming() for _ in ps]
+
+    async def run():
+        return await asyncio.gather(*(collect(client, f"r{i}", p, sp, t) for i, (p, sp, t)
+                                      in enumerate(zip(ps, params, timings, strict=True))))
+
+    outs = asyncio.run(run())
+    assert [o.output_ids for o in outs] == want
+    assert [o.finish_reason for o in outs] == ["length"] * len(ps)
+    for t, o in zip(timings, outs, strict=True):
+        assert t.arrival <= t.first_token <= t.last_token <= t.finished
+        # prefill delivers one token, then one batch per round
+        assert 1 + sum(k for _, k in t.token_batches) == len(o.output_ids)
+        assert len(t.token_batches) == len(o.acceptance_lengths)
+    assert_idle(client.engine)
+    snap = client.snapshot()
+    assert snap.running == snap.waiting == 0 and snap.cache_usage == 0.0
+    assert snap.acceptance.rounds > 0 and snap.draft_time_per_round is None
+
+
+def test_abort_and_closing_the_stream_free_pages_and_slot(client):
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    p = prompts(2, 1)
+
+    async def run():
+        gen = client.generate("a", p[0], params)
+        await anext(gen)
+        await anext(gen)
+        assert client.snapshot().running == 1
+        await client.abort("a")  # returns once the engine dropped it
+        assert_idle(client.engine)
+        rest = [out async for out in gen]
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        assert len(rest[-1].output_ids) < 400
+
+        gen = client.generate("b", p[1], params)  # the consumer walks away instead
+        await anext(gen)
+        await gen.aclose()
+        for _ in range(500):
+            if client.snapshot().running == 0:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    snap = client.snapshot()
+    assert snap.running == 0 and snap.cache_usage == 0.0
+    assert_idle(client.engine)
+
+
+def test_bad_requests_raise_value_error_before_yielding(client):
+    async def run():
+        with pytest.raises(ValueError, match="context length"):
+            await anext(client.generate("long", [1] * 2000, SamplingParams()))
+        with pytest.raises(ValueError, match="token ids"):
+            await anext(client.generate("vocab", [10_000], SamplingParams()))
+        gen = client.generate("dup", [1, 2, 3], SamplingParams(max_tokens=300, ignore_eos=True))
+        await anext(gen)
+        with pytest.raises(ValueError, match="already in use"):
+            await anext(client.generate("dup", [4, 5], SamplingParams()))
+        await gen.aclose()
+
+    asyncio.run(run())
+
+
+def test_step_exception_fails_in_flight_requests_and_the_loop_survives(client, monkeypatch):
+    runner, calls = client.engine.runner, {"verify": 0}
+    real_verify = runner.verify
+
+    def flaky_verify(*args, **kwargs):
+        calls["verify"] += 1
+        if calls["verify"] == 2:
+            raise RuntimeError("injected fault")
+        return real_verify(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "verify", flaky_verify)
+    ps = prompts(4, 2)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        results = await asyncio.wait_for(asyncio.gather(
+            *(collect(client, f"f{i}", p, params) for i, p in enumerate(ps[:3])),
+            return_exceptions=True), timeout=30)
+        for r in results:
+            assert isinstance(r, EngineStepError) and "injected fault" in str(r)
+        assert_idle(client.engine)
+        await client.check_health()
+        return await collect(client, "after", ps[3], params)
+
+    out = asyncio.run(run())
+    want = make_engine(draft=False).generate([ps[3]], params)[0].output_ids
+    assert out.output_ids == want
+
+
+def test_overload_raises_engine_overloaded(monkeypatch):
+    client = LocalEngineClient(make_engine(), "tiny", max_waiting=2)
+    gate, real_prefill = threading.Event(), client.engine.runner.prefill
+
+    def gated_prefill(*args, **kwargs):
+        gate.wait(timeout=30)
+        return real_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(client.engine.runner, "prefill", gated_prefill)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    p = prompts(4, 3)
+
+    async def run():
+        tasks = [asyncio.create_task(collect(client, f"w{i}", p[i], params)) for i in range(2)]
+        await asyncio.sleep(0.05)  # both submitted; neither has produced a token
+        with pytest.raises(EngineOverloaded):
+            await anext(client.generate("third", p[2], params))
+        gate.set()
+        await asyncio.gather(*tasks)
+        await collect(client, "fourth", p[3], params)  # admitted again
+
+    try:
+        asyncio.run(run())
+    finally:
+        gate.set()
+        client.close()
+    with pytest.raises(ValueError, match="max_waiting"):
+        LocalEngineClient(client.engine, "tiny", max_waiting=0)
+
+
+def test_idle_loop_sleeps_and_shutdown_joins(client):
+    clock = time.pthread_getcpuclockid(client._thread.ident)  # the engine thread's CPU time
+    time.sleep(0.1)
+    cpu = time.clock_gettime(clock)
+    time.sleep(0.5)
+    assert time.clock_gettime(clock) - cpu < 0.01  # idle, it blocks on its queue
+
+    async def run():
+        gen = client.generate("s", prompts(1, 4)[0],
+                              SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
+        await anext(gen)
+        await client.shutdown()
+        assert not client._thread.is_alive()
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await client.check_health()
+        with pytest.raises(EngineDeadError):
+            await anext(client.generate("late", [1, 2], SamplingParams()))
+        await client.shutdown()  # idempotent
+
+    asyncio.run(run())

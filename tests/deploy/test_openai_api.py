@@ -1,0 +1,381 @@
+"""The OpenAI API end to end: uvicorn on 127.0.0.1 over a LocalEngineClient (demo target +
+trained draft, B = 8), driven by the real `openai` client. Greedy outputs must equal
+target-only greedy decoding token for token; errors come back as OpenAI's error JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.engine import LLMEngine
+from configs.engine import EngineConfig, SamplingParams
+from deploy.engine_client import EngineDeadError, LocalEngineClient
+from deploy.openai_api import TextStream, build_app
+from deploy.tokenizer import load_tokenizer
+
+DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
+MODEL = "tiny-dflash"
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    target, draft = str(DEMO / "target"), str(DEMO / "draft")
+    engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=8,
+                                    max_num_seqs=16, kv_block_size=8))
+    client = LocalEngineClient(engine, MODEL)
+    tokenizer = load_tokenizer(target)
+    app = build_app(client, tokenizer)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.started, "uvicorn did not start"
+    reference = LLMEngine(EngineConfig(model=target, max_num_seqs=16))  # target only
+    yield {"url": f"http://127.0.0.1:{port}", "client": client, "tokenizer": tokenizer,
+           "reference": reference, "server": app.state.server}
+    srv.should_exit = True
+    thread.join(timeout=30)
+    client.close()
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="x", max_retries=0)
+
+
+def target_only(server, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    return [o.output_ids for o in server["reference"].generate(prompts, params)]
+
+
+def decode(server, ids: list[int]) -> str:
+    return server["tokenizer"].decode(ids, skip_special_tokens=True)
+
+
+def metrics(server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{server['url']}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def wait_idle(server, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if m[("dflash_num_requests_running", ())] == 0 and \
+                m[("dflash_kv_cache_usage_ratio", ())] == 0:
+            return m
+        assert time.monotonic() < deadline, "the engine did not return to idle"
+        time.sleep(0.05)
+
+
+def test_text_stream_releases_only_stable_text(server):
+    tok = server["tokenizer"]
+    text = "héllo wörld, 5€ and 7€ more"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens
+    stream, pieces = TextStream(tok, []), []
+    for t in ids:
+        stream.add([t])
+        pieces.append(stream.release(final=False))
+    pieces.append(stream.release(final=True))
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+    stream, pieces, taken = TextStream(tok, ["7€", "never"]), [], 0
+    for t in ids:
+        taken += stream.add([t])
+        pieces.append(stream.release(final=stream.stopped))
+        if stream.stopped:
+            break
+    # nothing of "7€" leaked out before the match: a possible stop prefix is held back
+    assert stream.stopped and "".join(pieces) == "héllo wörld, 5€ and "
+    assert tok.decode(ids[:taken]).endswith("7€")  # stops at the token completing the string
+
+
+def test_models_health_and_metrics_endpoints(server, oai, monkeypatch):
+    (card,) = oai.models.list().data
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 1024
+    assert httpx.get(f"{server['url']}/health").status_code == 200
+
+    async def dead():
+        raise EngineDeadError("engine gone")
+
+    monkeypatch.setattr(server["client"], "check_health", dead)
+    r = httpx.get(f"{server['url']}/health")
+    assert r.status_code == 503 and "engine gone" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    assert httpx.get(f"{server['url']}/health").status_code == 200
+    r = httpx.get(f"{server['url']}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+
+
+def test_completion_greedy_equals_target_only(server, oai):
+    prompt = "The quick brown fox"
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=40, **GREEDY,
+                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    prompt_ids = server["tokenizer"].encode(prompt)
+    (want,) = target_only(server, [prompt_ids], [40])
+    (choice,) = r.choices
+    assert choice.model_extra["token_ids"] == want
+    assert choice.text == decode(server, want)
+    assert choice.finish_reason == "length"
+    assert r.model_extra["prompt_token_ids"] == prompt_ids
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(prompt_ids), 40, len(prompt_ids) + 40)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+
+
+def test_seeded_sampling_reproduces(server, oai):
+    kw = dict(model=MODEL, prompt="Sample me", max_tokens=24, seed=3, top_p=0.9,
+              extra_body={"top_k": 50, "ignore_eos": True, "return_token_ids": True})
+    runs = [oai.completions.create(**kw).choices[0].model_extra["token_ids"] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 24  # temperature left out: OpenAI's 1.0
+
+
+def test_completion_stream_of_token_ids_with_usage(server, oai):
+    prompt_ids = [72, 101, 108, 108, 111, 44, 32, 119]
+    (want,) = target_only(server, [prompt_ids], [33])
+    chunks = list(oai.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=33, **GREEDY, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True}))
+    *content, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 33
+    assert last.usage.prompt_tokens == len(prompt_ids)
+    assert all(c.usage is None for c in content)
+    assert [c.choices[0].finish_reason for c in content][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in content[:-1])
+    assert sum((c.choices[0].model_extra["token_ids"] for c in content), []) == want
+    assert "".join(c.choices[0].text for c in content) == decode(server, want)
+    assert len(content) > 1  # really streamed
+
+
+def test_chat_greedy_equals_target_only(server, oai):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Name a colour."}]
+    prompt_ids = server["tokenizer"].apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    (want,) = target_only(server, [list(prompt_ids)], [30])
+    r = oai.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=30,
+                                    **GREEDY, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == decode(server, want)
+    assert r.choices[0].finish_reason == "length" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens == len(prompt_ids) and r.usage.completion_tokens == 30
+
+    stream = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=30,
+                                         **GREEDY, stream=True,
+                                         extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == decode(server, want)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" and c.usage is None for c in chunks)
+
+
+def test_sixteen_concurrent_streams(server):
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 300, (int(n),), generator=g).tolist()
+               for n in torch.randint(2, 40, (16,), generator=g)]
+    lengths = [4 + 4 * i for i in range(16)]
+    want = target_only(server, prompts, lengths)
+    aoai = openai.AsyncOpenAI(base_url=f"{server['url']}/v1", api_key="x", max_retries=0)
+
+    async def one(prompt, n):
+        ids, text, finish = [], [], None
+        async for c in await aoai.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=n, **GREEDY, stream=True,
+                extra_body={"ignore_eos": True, "return_token_ids": True}):
+            ids += c.choices[0].model_extra["token_ids"]
+            text.append(c.choices[0].text)
+            finish = c.choices[0].finish_reason
+        return ids, "".join(text), finish
+
+    async def run():
+        async with aoai:
+            return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths,
+                                                                    strict=True)))
+
+    got = asyncio.run(run())
+    assert [ids for ids, _, _ in got] == want
+    assert [text for _, text, _ in got] == [decode(server, w) for w in want]
+    assert {finish for _, _, finish in got} == {"length"}
+    wait_idle(server)
+
+
+def stop_string_in(text: str) -> tuple[str, int]:
+    """A 3-character stop string whose first occurrence is past the start of `text`."""
+    for i in range(8, len(text) - 3):
+        s = text[i : i + 3]
+        if "\ufffd" not in s and text.find(s) == i:
+            return s, i
+    raise AssertionError("no usable stop string")
+
+
+def test_stop_strings_cut_the_text_and_abort_the_engine_request(server, oai):
+    prompt = [80, 81, 82, 83]
+    (want,) = target_only(server, [prompt], [60])
+    full = decode(server, want)
+    stop, at = stop_string_in(full)
+    before = metrics(server)
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=400, **GREEDY,
+                               stop=[stop, "never-there"], extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[:at] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 60  # the engine did not run on to max_tokens
+
+    stream = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=400, **GREEDY,
+                                    stop=stop, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == full[:at]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    after = wait_idle(server)
+    key = ("dflash_requests_total", (("endpoint", "completions"), ("finish_reason", "stop")))
+    assert after[key] - before.get(key, 0) == 2
+    generated = "dflash_generation_tokens_total", ()
+    assert after[generated] - before[generated] < 120
+
+
+def test_cancelled_stream_returns_the_engine_to_idle(server, oai):
+    before = metrics(server)
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me everything."}],
+        max_tokens=900, **GREEDY, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert metrics(server)[("dflash_num_requests_running", ())] == 1
+    stream.close()
+    after = wait_idle(server)
+    key = ("dflash_requests_total", (("endpoint", "chat_completions"),
+                                     ("finish_reason", "abort")))
+    assert after[key] - before.get(key, 0) == 1
+    generated = "dflash_generation_tokens_total", ()
+    assert after[generated] - before[generated] < 900
+
+
+def test_client_leaving_a_non_streaming_request_aborts_it(server):
+    before = metrics(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server['url']}/v1/completions", timeout=0.3,
+                   json={"model": MODEL, "prompt": "Go on", "max_tokens": 900, **GREEDY,
+                         "ignore_eos": True})
+    after = wait_idle(server)
+    key = ("dflash_requests_total", (("endpoint", "completions"), ("finish_reason", "abort")))
+    assert after[key] - before.get(key, 0) == 1
+    generated = "dflash_generation_tokens_total", ()
+    assert after[generated] - before[generated] < 900
+
+
+BAD_COMPLETIONS = [  # (body, status, param, code)
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
+    ({"model": MODEL, "prompt": [5] * 1100}, 400, "prompt", "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 1024}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens", None),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", None),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature", None),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p", None),
+    ({"model": MODEL, "prompt": "hi", "top_k": -5}, 400, "top_k", None),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", None),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs", None),
+    ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ({"model": MODEL, "prompt": [1000]}, 400, "prompt", None),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt", None),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ({"model": MODEL}, 400, "prompt", None),
+]
+BAD_CHATS = [
+    ({"model": MODEL}, 400, "messages", None),
+    ({"model": MODEL, "messages": []}, 400, "messages", None),
+    ({"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages.0.role", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "max_completion_tokens": 0}, 400, "max_completion_tokens", None),
+]
+
+
+def test_bad_inputs_return_openai_errors_and_the_server_keeps_serving(server, oai):
+    url = server["url"]
+    before = metrics(server)
+    for path, cases in (("/v1/completions", BAD_COMPLETIONS),
+                        ("/v1/chat/completions", BAD_CHATS)):
+        for body, status, param, code in cases:
+            r = httpx.post(url + path, json=body)
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert (err["param"], err["code"]) == (param, code), (body, err)
+            assert err["type"] == "invalid_request_error" and err["message"]
+    r = httpx.post(url + "/v1/completions", content=b'{"model": ',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert httpx.post(url + "/v1/completions", json=[1, 2]).status_code == 400
+    r = httpx.get(url + "/v1/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    errors = metrics(server)
+    key = ("dflash_request_errors_total", (("code", "400"), ("endpoint", "completions")))
+    assert errors[key] - before.get(key, 0) >= len(BAD_COMPLETIONS) - 1
+
+    with pytest.raises(openai.BadRequestError) as e:  # what an SDK user sees
+        oai.completions.create(model=MODEL, prompt="hi", temperature=-0.5)
+    assert e.value.body["param"] == "temperature" and "temperature" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+
+    r = oai.completions.create(model=MODEL, prompt="still alive", max_tokens=5, **GREEDY)
+    assert r.usage.completion_tokens >= 1
+    wait_idle(server)
+
+
+def test_overload_is_429_and_unexpected_errors_are_500(server, oai, monkeypatch):
+    monkeypatch.setattr(server["client"], "max_waiting", 0)
+    with pytest.raises(openai.RateLimitError) as e:
+        oai.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+    assert e.value.status_code == 429 and e.value.body["code"] == "engine_overloaded"
+    monkeypatch.undo()
+
+    def broken(req):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(server["server"], "_prompt_ids", broken)
+    r = httpx.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
+    monkeypatch.undo()
+    assert oai.completions.create(model=MODEL, prompt="ok", max_tokens=3).usage.total_tokens
+
+
+def test_metrics_report_latency_and_acceptance(server, oai):
+    oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, **GREEDY,
+                           extra_body={"ignore_eos": True})
+    m = metrics(server)
+    for name in ("dflash_time_to_first_token_seconds_count",
+                 "dflash_inter_token_latency_seconds_count",
+                 "dflash_e2e_request_latency_seconds_count", "dflash_acceptance_length_count",
+                 "dflash_prompt_tokens_total", "dflash_generation_tokens_total"):
+        assert m[(name, ())] > 0, name
+    rounds = m[("dflash_spec_decode_rounds_total", ())]
+    assert m[("dflash_acceptance_length_bucket", (("le", "+Inf"),))] == rounds
+    assert m[("dflash_acceptance_length_sum", ())] == m[
+        ("dflash_spec_decode_committed_tokens_total", ())]
+    rates = {dict(k[1])["position"]: v for k, v in m.items()
+             if k[0] == "dflash_spec_decode_position_acceptance_rate"}
+    assert sorted(rates, key=int) == [str(i) for i in range(1, 8)]  # B = 8: 7 drafts
+    assert rates["1"] >= rates["7"] > 0  # the trained draft gets whole blocks accepted
+    # the in-process engine does not time drafts and verifies; no made-up series
+    assert not any(k[0].startswith(("dflash_draft_time", "dflash_verify_time")) for k in m)
