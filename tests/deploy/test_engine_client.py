@@ -103,8 +103,11 @@ def test_abort_and_closing_the_stream_free_pages_and_slot(client):
         gen = client.generate("b", p[1], params)  # the consumer walks away instead
         await anext(gen)
         await gen.aclose()
-        for _ in range(500):
-            if client.snapshot().running == 0:
+        # The abort travels through the engine thread's inbox; the snapshot may still be the
+        # one published before "b" started, so wait for the pages themselves to come back.
+        blocks = client.engine.blocks
+        for _ in range(1000):
+            if len(blocks.free_blocks) == blocks.num_blocks and client.snapshot().running == 0:
                 break
             await asyncio.sleep(0.01)
 
