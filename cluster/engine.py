@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from cluster.block_manager import BlockManager
 from cluster.scheduler import Scheduler
 from cluster.sequence import Sequence
+from cluster.stats import TimeAccumulator
 from configs.engine import EngineConfig, SamplingParams
 from configs.model import TargetConfig
 from draft.config import DraftConfig
@@ -118,9 +120,12 @@ class LLMEngine:
         self.runner, self.drafter = runner, drafter
         self.blocks = BlockManager(self.plan.num_kv_blocks, cfg.kv_block_size, cfg.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, self.max_model_len,
-                                   lookahead=self.block_size)
+                                   lookahead=self.block_size,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.eos_ids = read_eos_ids(cfg.model, self.target_config.eos_token_ids)
         self.stats = AcceptanceStats()
+        self.draft_time = TimeAccumulator()  # per propose call
+        self.verify_time = TimeAccumulator()  # per verify call (forward + accept + commit)
         self._seq_ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
 
@@ -174,32 +179,40 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if plan.prefill:
-            self._prefill(plan.prefill)
+            self._prefill(plan.prefill, plan.chunk_lens)
         elif plan.decode:
             self._round(plan.decode)
         return self._collect(plan.prefill + plan.decode)
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
+    def _prefill(self, seqs: list[Sequence], chunk_lens: list[int]) -> None:
+        # Each feeds the next chunk of its prompt; only a prompt's last chunk samples a token.
         out = self.runner.prefill([
-            SeqInput(s.seq_id, s.prompt_ids, 0, s.block_table, s.state_slot, s.params)
-            for s in seqs
+            SeqInput(s.seq_id, s.prompt_ids[s.num_cached : s.num_cached + n], s.num_cached,
+                     s.block_table, s.state_slot, s.params,
+                     sample=s.num_cached + n == len(s.prompt_ids))
+            for s, n in zip(seqs, chunk_lens, strict=True)
         ])
         self._feed_draft(seqs, out)
-        for s, toks in zip(seqs, out.new_tokens, strict=True):
-            s.num_cached = len(s.prompt_ids)
-            self._append(s, toks)
+        for s, n, toks in zip(seqs, chunk_lens, out.new_tokens, strict=True):
+            s.num_cached += n
+            if s.prefilled:
+                self._append(s, toks)
 
     def _round(self, seqs: list[Sequence]) -> None:
+        t0 = time.perf_counter()
         if self.drafter is not None:
             drafts = self.drafter.propose([s.anchor for s in seqs], [s.num_cached for s in seqs],
                                           [s.block_table for s in seqs]).tolist()
+            self.draft_time.observe(time.perf_counter() - t0)
         else:
             drafts = [[] for _ in seqs]
+        t1 = time.perf_counter()
         out = self.runner.verify([
             SeqInput(s.seq_id, [s.anchor, *d], s.num_cached, s.block_table, s.state_slot,
                      s.params)
             for s, d in zip(seqs, drafts, strict=True)
         ])
+        self.verify_time.observe(time.perf_counter() - t1)
         self._feed_draft(seqs, out)
         for s, toks, n in zip(seqs, out.new_tokens, out.num_accepted, strict=True):
             s.num_cached += n + 1
@@ -228,6 +241,8 @@ class LLMEngine:
         outs = []
         for s in seqs:
             new = s.output_ids[s.num_streamed :]
+            if not new and not s.finished:
+                continue  # a non-final prompt chunk: nothing to report yet
             s.num_streamed = len(s.output_ids)
             outs.append(RequestOutput(s.request_id, s.prompt_ids, new, list(s.output_ids),
                                       s.finished, s.finish_reason, list(s.acceptance_lengths)))

@@ -1,18 +1,30 @@
 """The engine's runner and drafter as Ray actors: one placement group per engine (bundles
-{GPU: 1, CPU: 1} × tp, STRICT_PACK), one TargetWorker per bundle, the DraftWorker sharing
-bundle 0 with rank 0 (half a GPU each). Same methods as ModelRunner / DraftRunner, so
-LLMEngine drives either.
+{GPU: 1, CPU: 1} × tp, STRICT_PACK; {CPU: 1} × tp when the engine runs on CPU), one
+TargetWorker per bundle, the DraftWorker sharing bundle 0 with rank 0 (half a GPU each). Same
+methods as ModelRunner / DraftRunner, so LLMEngine drives either.
 
 Per round this costs one call per rank for verify and one call to the draft (propose); the
 draft's context write rides the same actor's queue without a wait. Aux features travel
 rank 0 → driver → draft through the object store: the CPU fallback; the shared-GPU transport
-replaces it."""
+replaces it.
+
+Failure handling: every wait on an actor is a `ray.wait` loop, so a dead rank surfaces as
+soon as its reply is an error (the other ranks may be stuck in a collective with it) and a
+hung one after `step_timeout_s`. The caller then `restart()`s: every actor of the engine is
+killed and started afresh in the same placement group."""
 
 from __future__ import annotations
 
+import time
+
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine import EnginePlan, LLMEngine
@@ -21,13 +33,39 @@ from draft.actor import DraftWorker
 from workers.model_runner import SeqInput, StepOutput
 from workers.worker import TargetWorker
 
+# Generous: a first step on a GPU may compile Triton kernels for minutes.
+DEFAULT_STEP_TIMEOUT_S = 900.0
+
+
+class ActorStepTimeout(TimeoutError):
+    pass
+
+
+def wait_all(refs: list, timeout_s: float, what: str) -> list:
+    """ray.get(refs), but raises the first failure as soon as it arrives (ray.get of a list
+    may sit on a healthy rank blocked in a collective with the dead one)."""
+    pending, deadline = list(refs), time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1,
+                                  timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise ActorStepTimeout(f"{what}: no reply within {timeout_s:.0f} s")
+        ray.get(ready)
+    return ray.get(refs)
+
+
+def engine_bundles(tp: int, use_gpu: bool) -> list[dict[str, float]]:
+    return [{"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}] * tp
+
 
 class RayTargetGroup:
-    def __init__(self, workers: list):
+    def __init__(self, workers: list, step_timeout_s: float):
         self.workers = workers
+        self.step_timeout_s = step_timeout_s
 
     def _all(self, method: str, *args) -> list:
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return wait_all(refs, self.step_timeout_s, f"target {method}")
 
     def prefill(self, seqs: list[SeqInput]) -> StepOutput:
         return self._all("prefill", seqs)[0]
@@ -41,11 +79,13 @@ class RayTargetGroup:
 
 
 class RayDrafter:
-    def __init__(self, actor):
+    def __init__(self, actor, step_timeout_s: float):
         self.actor = actor
+        self.step_timeout_s = step_timeout_s
 
     def propose(self, anchors, context_lens, block_tables) -> torch.Tensor:
-        return ray.get(self.actor.propose.remote(anchors, context_lens, block_tables))
+        ref = self.actor.propose.remote(anchors, context_lens, block_tables)
+        return wait_all([ref], self.step_timeout_s, "draft propose")[0]
 
     def write_context(self, aux, positions, block_tables, counts) -> None:
         # Not awaited: the next propose on this actor runs after it, and raises its errors.
@@ -53,40 +93,88 @@ class RayDrafter:
 
 
 class RayEngineCluster:
-    """Places and starts the actors of one engine; `engine` is an LLMEngine over them."""
+    """Places and starts the actors of one engine; `engine` is an LLMEngine over them.
 
-    def __init__(self, cfg: EngineConfig, tp: int):
+    `pg`: a placement group with `engine_bundles(tp, use_gpu)` to use (e.g. a Serve replica's
+    own); None creates one, removed again by `shutdown()`. `use_gpu` defaults to whether the
+    engine runs on CUDA; tests set it with fake GPU resources to exercise the GPU placement."""
+
+    def __init__(self, cfg: EngineConfig, tp: int, pg: PlacementGroup | None = None,
+                 use_gpu: bool | None = None, step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
+        self.cfg, self.tp, self.step_timeout_s = cfg, tp, step_timeout_s
         self.plan = EnginePlan.from_config(cfg)
         self.plan.target_config.check_tp(tp)
-        self.pg = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="STRICT_PACK")
+        self.use_gpu = cfg.device.startswith("cuda") if use_gpu is None else use_gpu
+        self.owns_pg = pg is None
+        self.pg = pg or placement_group(engine_bundles(tp, self.use_gpu), strategy="STRICT_PACK")
         ray.get(self.pg.ready())
-        has_draft = self.plan.draft_config is not None
+        self.workers: list = []
+        self.draft = None
+        self.restarts = 0
+        self.engine = LLMEngine(cfg, *self._start_actors(), self.plan)
 
-        def in_bundle(i: int) -> PlacementGroupSchedulingStrategy:
-            return PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                    placement_group_bundle_index=i)
+    def _in_bundle(self, i: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                placement_group_bundle_index=i)
 
+    def _start_actors(self) -> tuple[RayTargetGroup, RayDrafter | None]:
+        cfg, plan = self.cfg, self.plan
+        has_draft = plan.draft_config is not None
+        gpu = (lambda share: share) if self.use_gpu else (lambda share: 0)
         worker_cls = ray.remote(TargetWorker)
         self.workers = [
-            worker_cls.options(num_cpus=1, num_gpus=0.5 if (i == 0 and has_draft) else 1,
-                               scheduling_strategy=in_bundle(i))
-            .remote(cfg, self.plan.num_kv_blocks, self.plan.aux_layer_ids, i, tp)
-            for i in range(tp)
+            worker_cls.options(num_cpus=1, num_gpus=gpu(0.5 if (i == 0 and has_draft) else 1),
+                               scheduling_strategy=self._in_bundle(i), max_restarts=0)
+            .remote(cfg, plan.num_kv_blocks, plan.aux_layer_ids, i, self.tp)
+            for i in range(self.tp)
         ]
-        addr, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.init_model.remote(addr, port) for w in self.workers])
-        self.draft = None
+        addr, port = wait_all([self.workers[0].address.remote()], self.step_timeout_s,
+                              "rank 0 address")[0]
+        wait_all([w.init_model.remote(addr, port) for w in self.workers], self.step_timeout_s,
+                 "target load")
         drafter = None
         if has_draft:
             self.draft = ray.remote(DraftWorker).options(
-                num_cpus=0, num_gpus=0.5, scheduling_strategy=in_bundle(0)
-            ).remote(cfg, self.plan.num_kv_blocks, self.plan.block_size)
-            ray.get(self.draft.ping.remote())
-            drafter = RayDrafter(self.draft)
-        self.engine = LLMEngine(cfg, RayTargetGroup(self.workers), drafter, self.plan)
+                num_cpus=0, num_gpus=gpu(0.5), scheduling_strategy=self._in_bundle(0),
+                max_restarts=0,
+            ).remote(cfg, plan.num_kv_blocks, plan.block_size)
+            wait_all([self.draft.ping.remote()], self.step_timeout_s, "draft load")
+            drafter = RayDrafter(self.draft, self.step_timeout_s)
+        return RayTargetGroup(self.workers, self.step_timeout_s), drafter
 
-    def shutdown(self) -> None:
+    def actors(self) -> dict[str, list]:
+        """Handles of the live actors (for operators and fault-injection tests)."""
+        return {"workers": list(self.workers), "draft": [self.draft] if self.draft else []}
+
+    def ping(self, timeout_s: float = 10.0) -> None:
+        """Raises if any actor is dead or does not answer within `timeout_s`."""
+        actors = [*self.workers, *([self.draft] if self.draft else [])]
+        wait_all([a.ping.remote() for a in actors], timeout_s, "ping")
+
+    def restart(self) -> LLMEngine:
+        """Kills every actor (a rank that survived may hold half-committed state, or sit in a
+        collective with a dead peer) and starts them afresh; the new engine keeps the
+        cumulative statistics. Requests in flight are the caller's to fail."""
+        self._kill_actors()
+        old = self.engine
+        self.engine = LLMEngine(self.cfg, *self._start_actors(), self.plan)
+        self.engine.stats, self.engine.draft_time = old.stats, old.draft_time
+        self.engine.verify_time = old.verify_time
+        self.restarts += 1
+        return self.engine
+
+    def _kill_actors(self) -> None:
         for actor in [*self.workers, self.draft]:
             if actor is not None:
-                ray.kill(actor)
-        remove_placement_group(self.pg)
+                ray.kill(actor, no_restart=True)
+        self.workers, self.draft = [], None
+
+    def shutdown(self) -> None:
+        self._kill_actors()
+        if self.owns_pg:
+            remove_placement_group(self.pg)
+
+
+def current_placement_group() -> PlacementGroup | None:
+    """The placement group this process runs in (a Serve replica with bundles), if any."""
+    return get_current_placement_group()

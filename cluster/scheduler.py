@@ -1,6 +1,12 @@
-"""Which sequences run this step. FCFS admission while a state slot and the pages a
-sequence can reach are free; a step either prefills newly admitted sequences or runs one
-propose/verify round for every running sequence."""
+"""Which sequences run this step.
+
+Admission is FCFS while a state slot and every page a sequence can reach are free; a request
+that does not fit blocks those behind it, so a long one cannot starve. A step is either a
+prefill step (prompt chunks within `max_num_batched_tokens`: first the prompt left unfinished
+by the previous prefill step, then newly admitted ones) or one propose/verify round for every
+sequence whose prompt is fully cached. When both kinds of work exist the steps alternate, so a
+long prompt delays running streams by at most one chunk per round, and running streams cannot
+starve admission."""
 
 from __future__ import annotations
 
@@ -13,20 +19,22 @@ from cluster.sequence import SeqStatus, Sequence
 
 @dataclass
 class ScheduledStep:
-    prefill: list[Sequence]
-    decode: list[Sequence]
+    prefill: list[Sequence]  # each feeds prompt_ids[num_cached : num_cached + its chunk_len]
+    chunk_lens: list[int]  # [len(prefill)] prompt tokens each prefill sequence feeds
+    decode: list[Sequence]  # one round each (uniform B tokens); empty on a prefill step
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_model_len: int,
-                 lookahead: int, max_prefill_tokens: int = 8192):
+                 lookahead: int, max_num_batched_tokens: int = 8192):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.lookahead = lookahead  # positions a verify block may write past the committed ones
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens  # prompt tokens per prefill step
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # admitted, in admission order; some may be prefilling
+        self._prefill_turn = True  # whose turn it is when both kinds of work exist
 
     def reach(self, seq: Sequence) -> int:
         return min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len) + self.lookahead
@@ -40,25 +48,43 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledStep:
-        admitted: list[Sequence] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+        # The engine advances num_cached after each prefill step; the plan is computed from it.
+        decode = [s for s in self.running if s.prefilled]
+        if self._prefill_turn or not decode:
+            prefill, chunk_lens = self._schedule_prefill()
+            if prefill:
+                self._prefill_turn = False
+                return ScheduledStep(prefill, chunk_lens, decode=[])
+        self._prefill_turn = True
+        return ScheduledStep([], [], decode)
+
+    def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
+        budget = self.max_num_batched_tokens
+        seqs, chunk_lens = [], []
+        for seq in self.running:  # unfinished prompts first, oldest first
+            if budget == 0:
+                break
+            if not seq.prefilled:
+                n = min(seq.num_prompt_left, budget)
+                seqs.append(seq)
+                chunk_lens.append(n)
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if admitted and len(seq.prompt_ids) > budget:
-                break
             if not self.blocks.can_admit(self.reach(seq)):
-                break
+                break  # no overtaking: later requests wait behind the one waiting for memory
             self.waiting.popleft()
             self.blocks.admit(seq, self.reach(seq))
             seq.status = SeqStatus.RUNNING
-            budget -= len(seq.prompt_ids)
-            admitted.append(seq)
-        if admitted:
-            self.running.extend(admitted)
-            return ScheduledStep(prefill=admitted, decode=[])
-        return ScheduledStep(prefill=[], decode=list(self.running))
+            self.running.append(seq)
+            n = min(seq.num_prompt_left, budget)
+            seqs.append(seq)
+            chunk_lens.append(n)
+            budget -= n
+        return seqs, chunk_lens
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        # Also the abort path of a sequence still waiting or still prefilling.
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:

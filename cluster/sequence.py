@@ -21,7 +21,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_cached: int = 0  # tokens whose KV / GDN state are committed in the target
+    # Tokens whose KV / GDN state are committed in the target; below len(prompt_ids) while the
+    # prompt is still being prefilled chunk by chunk.
+    num_cached: int = 0
     block_table: list[int] = field(default_factory=list)
     state_slot: int = -1
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per round
@@ -31,6 +33,15 @@ class Sequence:
     def anchor(self) -> int:
         # The newest token: produced but not yet fed to the target.
         return self.output_ids[-1]
+
+    @property
+    def prefilled(self) -> bool:
+        # Every prompt token is cached (and the first token sampled): the sequence can decode.
+        return self.num_cached >= len(self.prompt_ids)
+
+    @property
+    def num_prompt_left(self) -> int:
+        return max(len(self.prompt_ids) - self.num_cached, 0)
 
     @property
     def num_tokens(self) -> int:

@@ -51,6 +51,8 @@ class EngineConfig:
     kv_block_size: int = 16  # tokens per KV page
     num_kv_blocks: int | None = None  # None → enough for max_num_seqs full-length sequences
     seed: int = 0  # seeds the per-request generators of requests that bring no seed
+    # Prompt tokens one prefill step feeds (vLLM's name); longer prompts are prefilled in chunks.
+    max_num_batched_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -71,6 +73,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_block_size <= 0:
             raise ValueError(f"kv_block_size must be positive, got {self.kv_block_size}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -38,6 +39,34 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_parse_ids, help="comma-separated token ids")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size; > 1 runs the target on Ray worker actors")
+    g.add_argument("--address", help="Ray cluster to join (with --tp > 1); default: start one")
+
+    s = sub.add_parser("serve", help="serve the OpenAI API with Ray Serve, until SIGINT/SIGTERM")
+    s.add_argument("--model", required=True, help="target checkpoint directory")
+    s.add_argument("--draft-model", help="DFlash draft checkpoint directory")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
+    s.add_argument("--speculative-algorithm", choices=["dflash"],
+                   help="implied by --draft-model")
+    s.add_argument("--speculative-dflash-block-size", type=int,
+                   help="verify block size B; overrides --speculative-num-draft-tokens (B-1)")
+    s.add_argument("--speculative-num-draft-tokens", type=int,
+                   help="proposed tokens K per round (B = K+1); default: the draft's block - 1")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--device", choices=["cpu", "cuda"],
+                   help="default: cuda when this machine has a GPU, else cpu")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    s.add_argument("--served-model-name", help="the API's model id (default: the model dir name)")
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-model-len", type=int)
+    s.add_argument("--max-num-batched-tokens", type=int)
+    s.add_argument("--max-waiting", type=int,
+                   help="requests queued for admission before 429 (default 4 x max-num-seqs)")
+    s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
+    s.add_argument("--address", help="Ray cluster to join (e.g. auto); default: start one")
     return parser
 
 
@@ -63,10 +92,25 @@ def generate(args: argparse.Namespace) -> dict:
             prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     else:
         prompt_ids = args.prompt_ids
-    engine = LLMEngine(cfg)
-    start = time.perf_counter()
-    out = engine.generate([list(prompt_ids)], params)[0]
-    elapsed = time.perf_counter() - start
+    cluster = None
+    if args.tp > 1 or args.address:
+        import ray
+
+        from cluster.ray_executor import RayEngineCluster
+
+        _init_ray(args.address, args.tp)
+        cluster = RayEngineCluster(cfg, args.tp)
+        engine = cluster.engine
+    else:
+        engine = LLMEngine(cfg)
+    try:
+        start = time.perf_counter()
+        out = engine.generate([list(prompt_ids)], params)[0]
+        elapsed = time.perf_counter() - start
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+            ray.shutdown()
     text = tokenizer.decode(out.output_ids, skip_special_tokens=True) if tokenizer else None
     return {
         "token_ids": out.output_ids,
@@ -82,10 +126,67 @@ def generate(args: argparse.Namespace) -> dict:
     }
 
 
+def _init_ray(address: str | None, tp: int) -> None:
+    import os
+
+    import ray
+
+    if address:
+        ray.init(address=address)
+    else:  # logical CPUs: each TP worker holds one, whatever the core count
+        ray.init(num_cpus=max(os.cpu_count() or 1, tp), include_dashboard=False)
+
+
+def serve_forever(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    import torch
+
+    from deploy.app import ServeArgs, build_deployment
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sargs = ServeArgs(
+        model=args.model, draft_model=args.draft_model, tp=args.tp,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_dflash_block_size=args.speculative_dflash_block_size,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens, device=device,
+        dtype=args.dtype, served_model_name=args.served_model_name,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting)
+    app = build_deployment(sargs, num_replicas=args.num_replicas)  # ValueError: bad args
+
+    import ray
+    from ray import serve
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    _init_ray(args.address, args.tp)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="dflash", route_prefix="/")
+        base = f"http://{args.host}:{args.port}"
+        print(f"dflash-serve: serving {sargs.model_name!r} (tp {args.tp}, {device}) at {base}\n"
+              f"try:\n  curl {base}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{sargs.model_name}\", \"prompt\": \"The quick brown fox\", "
+              f"\"max_tokens\": 32}}'\nstop with Ctrl-C", flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("dflash-serve: shutting down", flush=True)
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            return serve_forever(args)
         if args.command == "generate":
             result = generate(args)
             if args.json:

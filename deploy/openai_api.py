@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import aclosing, suppress
+from contextlib import aclosing, asynccontextmanager, suppress
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -351,9 +351,17 @@ class OpenAIServer:
                                      len(gen.token_ids), gen.timing, time.monotonic())
 
 
-def build_app(client: EngineClient, tokenizer) -> FastAPI:
-    """The API over `client`; `tokenizer` is the target's (None: token-id prompts only)."""
-    app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None)
+def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False) -> FastAPI:
+    """The API over `client`; `tokenizer` is the target's (None: token-id prompts only).
+    `shutdown_client`: the app owns the client and shuts it down when the app stops."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if shutdown_client:
+            await client.shutdown()
+
+    app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServingMetrics(client.snapshot)
     server = OpenAIServer(client, tokenizer, metrics)
     app.state.metrics, app.state.server = metrics, server
@@ -388,6 +396,8 @@ def build_app(client: EngineClient, tokenizer) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        with suppress(Exception):  # a dead engine still has request metrics worth scraping
+            await client.refresh()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -19,11 +19,14 @@ class SeqInput:
     """One sequence's part of a forward; crosses the driver → worker boundary."""
 
     seq_id: int
-    token_ids: list[int]  # prefill: the prompt; verify: [anchor, d1 … dK]
+    token_ids: list[int]  # prefill: a chunk of the prompt; verify: [anchor, d1 … dK]
     start_pos: int  # position of token_ids[0]; positions below it are cached
     block_table: list[int]
     state_slot: int
     params: SamplingParams
+    # Prefill: sample the first token after this chunk (the prompt's last); a non-final chunk
+    # only fills the caches and yields its aux features.
+    sample: bool = True
 
 
 @dataclass
@@ -90,21 +93,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[SeqInput]) -> StepOutput:
+        """Each seq's token_ids = prompt_ids[start_pos : start_pos + n]. A chunk with
+        start_pos > 0 attends over the KV pages and continues from the GDN state of the chunks
+        before it, so only a prompt's first chunk resets its state slot."""
         for s in seqs:
             if s.start_pos == 0:
                 reset_state_slot(self.caches, s.state_slot)
         batch = self._batch(seqs, is_verify=False)
         hidden, aux = self.model(batch, self.caches)
-        last = torch.tensor(batch.cu_seqlens[1:], device=hidden.device) - 1
-        logits = self.model.compute_logits(hidden[last])  # [S, V]
-        new_tokens = []
-        for i, s in enumerate(seqs):
-            if s.params.greedy:
-                tok = int(logits[i].argmax().item())
-            else:
-                probs = sampling.probs_from_logits(logits[i : i + 1], s.params)[0]
-                tok = sampling.sample(probs, self._generator(s))
-            new_tokens.append([tok])
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        new_tokens: list[list[int]] = [[] for _ in seqs]
+        if sampled:
+            cu = batch.cu_seqlens
+            last = torch.tensor([cu[i + 1] - 1 for i in sampled], device=hidden.device)
+            logits = self.model.compute_logits(hidden[last])  # [len(sampled), V]
+            for row, i in enumerate(sampled):
+                s = seqs[i]
+                if s.params.greedy:
+                    tok = int(logits[row].argmax().item())
+                else:
+                    probs = sampling.probs_from_logits(logits[row : row + 1], s.params)[0]
+                    tok = sampling.sample(probs, self._generator(s))
+                new_tokens[i] = [tok]
         return StepOutput(new_tokens, [0] * len(seqs), batch.query_lens, aux, batch.positions)
 
     @torch.inference_mode()

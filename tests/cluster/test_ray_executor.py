@@ -38,10 +38,13 @@ def reference():
     return prompts, params, [o.output_ids for o in outs]
 
 
-@pytest.mark.parametrize(("tp", "draft"), [(1, True), (2, True), (2, False), (4, True)])
-def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, draft):
+# use_gpu: the GPU placement ({GPU: 1, CPU: 1} bundles, draft and rank 0 on half a GPU each)
+# exercised with the session cluster's fake GPUs; the computation stays on CPU.
+@pytest.mark.parametrize(("tp", "draft", "use_gpu"),
+                         [(1, True, False), (2, True, True), (2, False, False), (4, True, False)])
+def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, draft, use_gpu):
     prompts, params, want = reference
-    cluster = RayEngineCluster(config(draft), tp)
+    cluster = RayEngineCluster(config(draft), tp, use_gpu=use_gpu)
     try:
         got = [o.output_ids for o in cluster.engine.generate(prompts, params)]
         assert got == want

@@ -1,0 +1,156 @@
+"""The Ray Serve application: `serve run deploy/dflash.yaml` (import path
+`deploy.app:app_builder`, application args = `ServeArgs`) or `dflash-serve serve …`.
+
+One engine per replica: Serve places each replica with `placement_group_bundles` =
+{GPU: 1, CPU: 1} × tp, STRICT_PACK (the replica itself needs no resources); the replica's
+`RayEngineClient` starts the driver actor in that group, and the driver the TP workers and the
+draft. More replicas = data parallel; Serve's autoscaler and Ray's cluster autoscaler see the
+GPU bundles."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.ray_executor import engine_bundles
+from configs.engine import EngineConfig
+from configs.model import TargetConfig
+from deploy.openai_api import build_app
+from deploy.ray_client import RayEngineClient
+from deploy.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _resolve_path(path: str) -> str:
+    """Relative model paths are taken from the working directory, else from the repository
+    (Serve replicas do not run in the directory `serve run` was started from)."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return str(p.resolve())
+    return str((REPO / p).resolve()) if (REPO / p).exists() else path
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    """Application args (YAML `args:` / CLI flags, same names)."""
+
+    model: str
+    draft_model: str | None = None
+    tp: int = 1
+    speculative_algorithm: str | None = None  # "dflash" (implied by draft_model)
+    speculative_dflash_block_size: int | None = None  # B; overrides num_draft_tokens (= B − 1)
+    speculative_num_draft_tokens: int | None = None  # K → B = K + 1
+    device: str = "cuda"
+    dtype: str | None = None  # None → bfloat16 on cuda, float32 on cpu
+    served_model_name: str | None = None  # None → the model directory's name
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None  # prefill tokens per step; None → engine default
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_waiting: int | None = None  # requests queued for admission before 429; None → 4 × seqs
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        algo = self.speculative_algorithm
+        if algo is not None and algo.lower() != "dflash":
+            raise ValueError(f"speculative_algorithm must be 'dflash', got {algo!r}")
+        if algo is not None and not self.draft_model:
+            raise ValueError("speculative_algorithm 'dflash' needs draft_model")
+        k = self.speculative_num_draft_tokens
+        if k is not None and k < 1:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {k}")
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+
+    @classmethod
+    def from_dict(cls, args: dict) -> ServeArgs:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - names)
+        if unknown:
+            raise ValueError(f"unknown application args {unknown}; known: {sorted(names)}")
+        if "model" not in args:
+            raise ValueError("application args need 'model' (the target checkpoint directory)")
+        return cls(**args)
+
+    @property
+    def block_size(self) -> int | None:
+        if self.speculative_dflash_block_size is not None:
+            return self.speculative_dflash_block_size
+        k = self.speculative_num_draft_tokens
+        return None if k is None else k + 1
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    def engine_config(self) -> EngineConfig:
+        extra = {}
+        if self.max_num_batched_tokens is not None:  # else the engine's default
+            extra["max_num_batched_tokens"] = self.max_num_batched_tokens
+        return EngineConfig(
+            model=_resolve_path(self.model),
+            draft_model=_resolve_path(self.draft_model) if self.draft_model else None,
+            block_size=self.block_size, device=self.device,
+            dtype=self.dtype or ("bfloat16" if self.on_gpu else "float32"),
+            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+            kv_block_size=self.kv_block_size, num_kv_blocks=self.num_kv_blocks, seed=self.seed,
+            **extra,
+        )
+
+    def replace(self, **changes) -> ServeArgs:
+        return dataclasses.replace(self, **changes)
+
+
+@serve.deployment(
+    name="DFlashServer",
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=512,
+    health_check_period_s=10,
+    health_check_timeout_s=120,
+    graceful_shutdown_timeout_s=30,
+)
+@serve.ingress()
+class DFlashServer:
+    async def __init__(self, args: ServeArgs):
+        self.args = args
+        cfg = args.engine_config()
+        self.client = await RayEngineClient.start(
+            cfg, args.tp, args.model_name,
+            max_waiting=args.max_waiting or 4 * args.max_num_seqs)
+        self.tokenizer = load_tokenizer(cfg.model)
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self.client, self.tokenizer, shutdown_client=True)
+
+    async def check_health(self) -> None:
+        # Only a dead engine fails the replica: a restart after a worker death is the
+        # engine's own recovery (GET /health reports it as 503 meanwhile).
+        await self.client.check_alive()
+
+
+def app_builder(args: dict) -> Application:
+    """Serve's application builder: `serve run deploy.app:app_builder model=…` or the YAML."""
+    return build_deployment(ServeArgs.from_dict(dict(args)))
+
+
+def build_deployment(a: ServeArgs, num_replicas: int | None = None) -> Application:
+    # Fail here, in `serve run`, not later in a replica that Serve would restart forever.
+    cfg = a.engine_config()
+    TargetConfig.from_pretrained(cfg.model).check_tp(a.tp)
+    options = {"num_replicas": num_replicas} if num_replicas is not None else {}
+    return DFlashServer.options(
+        placement_group_bundles=engine_bundles(a.tp, a.on_gpu),
+        placement_group_strategy="STRICT_PACK", **options,
+    ).bind(a)

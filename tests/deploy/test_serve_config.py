@@ -1,0 +1,50 @@
+"""The Serve configs validate against Ray Serve's own schema, their application args parse into
+ServeArgs, and the demo config builds an application (nothing is deployed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from deploy.app import DFlashServer, ServeArgs, app_builder
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+@pytest.mark.parametrize("name", ["dflash.yaml", "dflash-demo.yaml"])
+def test_serve_config_validates(name):
+    config = yaml.safe_load((DEPLOY / name).read_text())
+    schema = ServeDeploySchema.model_validate(config)  # what `serve run/deploy` checks
+    (app,) = schema.applications
+    assert app.import_path == "deploy.app:app_builder"
+    (dep,) = app.deployments
+    assert dep.name == DFlashServer.name
+    args = ServeArgs.from_dict(app.args)
+    assert args.speculative_algorithm == "dflash" and args.draft_model
+    assert args.block_size == args.speculative_dflash_block_size
+
+
+def test_demo_config_builds_the_application():
+    config = yaml.safe_load((DEPLOY / "dflash-demo.yaml").read_text())
+    app = app_builder(config["applications"][0]["args"])
+    bundles = app._bound_deployment._replica_config.placement_group_bundles
+    assert bundles == [{"CPU": 1}] * 2  # one bundle per TP rank
+
+
+def test_serve_args_errors_name_the_field(tiny_demo):
+    target, draft = map(str, tiny_demo)
+    with pytest.raises(ValueError, match="unknown application args.*'tp_size'"):
+        ServeArgs.from_dict({"model": target, "tp_size": 2})
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        ServeArgs(model=target, draft_model=draft, speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="needs draft_model"):
+        ServeArgs(model=target, speculative_algorithm="dflash")
+    with pytest.raises(ValueError, match="tp"):
+        app_builder({"model": target, "tp": 3, "device": "cpu"})  # tiny heads split by 1/2/4
+    # the block size overrides the number of draft tokens; K alone gives B = K + 1
+    assert ServeArgs(model=target, speculative_dflash_block_size=8,
+                     speculative_num_draft_tokens=3).block_size == 8
+    assert ServeArgs(model=target, speculative_num_draft_tokens=3).block_size == 4

@@ -1,0 +1,262 @@
+"""The whole system through HTTP: Ray Serve → DFlashServer replica → driver actor → TP 2 target
+workers (gloo) + colocated draft actor, on the demo pair, driven by the real `openai` client.
+Greedy outputs equal target-only greedy decoding token for token; cancelled streams free their
+pages; bad input gets 4xx and the server keeps serving; a killed worker fails its request
+clearly and the engine recovers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from cluster.engine import LLMEngine
+from configs.engine import EngineConfig, SamplingParams
+from deploy.app import ServeArgs, build_deployment
+from deploy.ray_client import DRIVER_NAME_PREFIX
+from deploy.tokenizer import load_tokenizer
+
+DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
+MODEL = "tiny-dflash"
+GREEDY = {"temperature": 0.0}
+pytestmark = pytest.mark.ray
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster):
+    target, draft = str(DEMO / "target"), str(DEMO / "draft")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = ServeArgs(model=target, draft_model=draft, tp=2, device="cpu",
+                     speculative_dflash_block_size=8, served_model_name=MODEL, max_num_seqs=16,
+                     kv_block_size=8, max_waiting=16)
+    serve.run(build_deployment(args), name="dflash", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    reference = LLMEngine(EngineConfig(model=target, max_num_seqs=16))  # target only, in process
+    yield {"url": url, "tokenizer": load_tokenizer(target), "reference": reference}
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def oai(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{app['url']}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def async_client(app) -> openai.AsyncOpenAI:
+    # One per asyncio.run: its connection pool belongs to that event loop.
+    return openai.AsyncOpenAI(base_url=f"{app['url']}/v1", api_key="x", max_retries=0,
+                              timeout=120)
+
+
+def target_only(app, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    return [o.output_ids for o in app["reference"].generate(prompts, params)]
+
+
+def metrics(app) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{app['url']}/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def wait_idle(app, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(app)
+        if m[("dflash_num_requests_running", ())] == 0 and \
+                m[("dflash_num_requests_waiting", ())] == 0 and \
+                m[("dflash_kv_cache_usage_ratio", ())] == 0:
+            return m
+        assert time.monotonic() < deadline, "the engine did not return to idle"
+        time.sleep(0.1)
+
+
+def wait_healthy(app, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{app['url']}/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "the engine did not recover"
+        time.sleep(0.2)
+
+
+def driver_handle():
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(DRIVER_NAME_PREFIX)]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+
+
+def test_completion_and_chat_equal_target_only(app, oai):
+    prompt = "The quick brown fox"
+    r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=40, **GREEDY,
+                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    (want,) = target_only(app, [r.model_extra["prompt_token_ids"]], [40])
+    assert r.model_extra["prompt_token_ids"] == app["tokenizer"].encode(prompt)
+    assert r.choices[0].model_extra["token_ids"] == want
+    assert r.choices[0].text == app["tokenizer"].decode(want, skip_special_tokens=True)
+    assert r.usage.completion_tokens == 40
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    c = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, **GREEDY,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    prompt_ids = app["tokenizer"].apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)
+    assert c.model_extra["prompt_token_ids"] == list(prompt_ids)
+    (want,) = target_only(app, [list(prompt_ids)], [30])
+    assert c.choices[0].model_extra["token_ids"] == want
+
+    pieces, ids, usage = [], [], None
+    for chunk in oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=30, stream=True, **GREEDY,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "return_token_ids": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            ids += choice.model_extra.get("token_ids") or []
+    assert ids == want and "".join(pieces) == c.choices[0].message.content
+    assert usage.completion_tokens == 30 and usage.prompt_tokens == len(prompt_ids)
+    m = wait_idle(app)
+    assert m[("dflash_spec_decode_rounds_total", ())] > 0
+    assert m[("dflash_draft_time_per_round_seconds_count", ())] > 0
+    assert m[("dflash_verify_time_per_round_seconds_count", ())] > 0
+
+
+def test_sixteen_concurrent_streams_are_exact(app):
+    prompts = [f"Request {i}: " + "abc " * (i % 5) for i in range(16)]
+    lengths = [8 + 3 * i for i in range(16)]
+
+    async def one(aoai, prompt: str, n: int) -> tuple[list[int], list[int], str]:
+        ids, prompt_ids, text = [], None, []
+        stream = await aoai.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=n, stream=True, **GREEDY,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        async for chunk in stream:
+            prompt_ids = chunk.model_extra.get("prompt_token_ids") or prompt_ids
+            for choice in chunk.choices:
+                ids += choice.model_extra.get("token_ids") or []
+                text.append(choice.text)
+        return prompt_ids, ids, "".join(text)
+
+    async def run():
+        async with async_client(app) as aoai:
+            return await asyncio.gather(*(one(aoai, p, n)
+                                          for p, n in zip(prompts, lengths, strict=True)))
+
+    results = asyncio.run(run())
+    want = target_only(app, [r[0] for r in results], lengths)
+    assert [r[1] for r in results] == want
+    tok = app["tokenizer"]
+    assert [r[2] for r in results] == [tok.decode(w, skip_special_tokens=True) for w in want]
+    wait_idle(app)
+
+
+def test_cancelled_stream_frees_its_pages(app):
+    body = {"model": MODEL, "prompt": "cancel me", "max_tokens": 900, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{app['url']}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+        m = metrics(app)
+        assert m[("dflash_num_requests_running", ())] == 1
+        assert m[("dflash_kv_cache_usage_ratio", ())] > 0
+    wait_idle(app)  # the disconnect aborted the request and freed its pages and slot
+
+
+BAD = [
+    (b"{not json", 400, "invalid_json"),
+    ({"model": "other-model", "prompt": "x"}, 404, "model_not_found"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, None),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, None),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, None),
+    ({"model": MODEL, "prompt": "x " * 2000}, 400, None),  # longer than the context
+]
+
+
+@pytest.mark.parametrize(("body", "status", "code"), BAD)
+def test_bad_input_is_4xx_and_the_server_keeps_serving(app, oai, body, status, code):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{app['url']}/v1/completions", timeout=30,
+                   headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if code is not None:
+        assert err["code"] == code
+    assert oai.completions.create(model=MODEL, prompt="ok", max_tokens=3).usage.total_tokens
+
+
+def test_too_many_requests_is_429(app):
+    # 16 run, 16 may wait (max_waiting); beyond that the engine refuses with 429.
+    async def one(aoai, i: int):
+        try:
+            stream = await aoai.completions.create(
+                model=MODEL, prompt=f"load {i}", max_tokens=400, stream=True,
+                extra_body={"ignore_eos": True})
+            async for _ in stream:
+                break  # admitted: the first chunk came; closing the stream aborts it
+            await stream.close()
+            return "ok"
+        except openai.RateLimitError as e:
+            assert e.body["code"] == "engine_overloaded"
+            return 429
+
+    async def run():
+        async with async_client(app) as aoai:
+            return await asyncio.gather(*(one(aoai, i) for i in range(48)))
+
+    results = asyncio.run(run())
+    assert results.count(429) > 0 and results.count("ok") >= 16
+    wait_idle(app)
+
+
+def test_killed_worker_fails_its_request_and_the_engine_recovers(app, oai):
+    driver = driver_handle()
+    restarts = ray.get(driver.restarts.remote())
+    stream = oai.completions.create(model=MODEL, prompt="doomed", max_tokens=900, stream=True,
+                                    extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)
+    ray.kill(ray.get(driver.actors.remote())["workers"][1])
+    with pytest.raises(openai.APIError) as e:
+        for _ in it:
+            pass
+    assert "engine step failed" in str(e.value.message)
+    wait_healthy(app)
+    assert ray.get(driver.restarts.remote()) == restarts + 1
+    r = oai.completions.create(model=MODEL, prompt="after the crash", max_tokens=20, **GREEDY,
+                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    (want,) = target_only(app, [r.model_extra["prompt_token_ids"]], [20])
+    assert r.choices[0].model_extra["token_ids"] == want
+    wait_idle(app)
+
+
+def test_dead_draft_is_found_by_the_health_probe(app, oai):
+    driver = driver_handle()
+    restarts = ray.get(driver.restarts.remote())
+    ray.kill(ray.get(driver.actors.remote())["draft"][0])
+    deadline = time.monotonic() + 60
+    while ray.get(driver.restarts.remote()) == restarts:  # idle: only a probe can notice
+        httpx.get(f"{app['url']}/health", timeout=30)
+        assert time.monotonic() < deadline, "the probe did not restart the engine"
+        time.sleep(0.2)
+    wait_healthy(app)
+    assert oai.completions.create(model=MODEL, prompt="ok", max_tokens=5).usage.total_tokens
