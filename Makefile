@@ -18,11 +18,17 @@ $(VENV)/.installed: pyproject.toml tools/constraints.txt
 	$(PIP) install -q --no-deps dflash==0.1.0
 	touch $@
 
-# Until the cluster lands, `serve` runs the in-process engine on the tiny demo pair (CPU).
+# A local Ray cluster serving the tiny demo pair (target + trained DFlash draft) over the
+# OpenAI API on CPU, tp 2 (gloo); prints a ready-to-paste curl; Ctrl-C stops it cleanly.
+# MODEL/DRAFT/TP/DEVICE/PORT override it (e.g. a real checkpoint on a GPU host).
+MODEL ?= tests/assets/tiny/target
+DRAFT ?= tests/assets/tiny/draft
+TP ?= 2
+DEVICE ?= cpu
+PORT ?= 8000
 serve: setup
-	$(PY) -m deploy.cli generate --model tests/assets/tiny/target \
-		--draft-model tests/assets/tiny/draft --prompt "The quick brown fox" \
-		--max-tokens 48 --ignore-eos --json
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} RAY_USAGE_STATS_ENABLED=0 $(PY) -m deploy.cli serve \
+		--model $(MODEL) --draft-model $(DRAFT) --tp $(TP) --device $(DEVICE) --port $(PORT)
 
 test: setup
 	$(PY) -m ruff check .

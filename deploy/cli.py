@@ -159,10 +159,10 @@ def serve_forever(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     _init_ray(args.address, args.tp)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name="dflash", route_prefix="/")

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cluster.engine import LLMEngine
 from configs.engine import EngineConfig, SamplingParams
 from deploy.cli import main
@@ -51,3 +53,61 @@ def test_errors_exit_2_with_a_message(capsys, tmp_path):
     assert main(["generate", "--model", str(DEMO / "target"), "--prompt-ids", "1",
                  "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.ray
+def test_serve_runs_until_sigterm_and_generate_tp2_equals_tp1():
+    """`dflash-serve serve` in its own process (its own local Ray cluster): ready banner with a
+    curl, a request through HTTP, SIGTERM → clean exit 0. Then `generate --tp 2` (also its own
+    cluster) gives the in-process tokens."""
+    import os
+    import signal
+    import time
+
+    import httpx2 as httpx
+
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "serve", "--model", str(DEMO / "target"),
+         "--draft-model", str(DEMO / "draft"), "--speculative-num-draft-tokens", "5",
+         "--tp", "2", "--device", "cpu", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines, deadline = [], time.monotonic() + 180
+        while not any("stop with Ctrl-C" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines[-30:])
+            lines.append(line)
+        assert any(f"curl http://127.0.0.1:{port}/v1/completions" in line for line in lines)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "target", "prompt": "Hello",
+                             "max_tokens": 6, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 6
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, rest[-3000:]
+        assert "shutting down" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "generate", "--model", str(DEMO / "target"),
+         "--draft-model", str(DEMO / "draft"), "--prompt-ids", "72,101,108,108,111",
+         "--max-tokens", "12", "--ignore-eos", "--json", "--tp", "2"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    ref = LLMEngine(EngineConfig(model=str(DEMO / "target"))).generate(
+        [[72, 101, 108, 108, 111]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert got["token_ids"] == ref.output_ids
