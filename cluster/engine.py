@@ -9,10 +9,8 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
 
 from cluster.block_manager import BlockManager
 from cluster.scheduler import Scheduler
@@ -20,12 +18,12 @@ from cluster.sequence import Sequence
 from cluster.stats import TimeAccumulator
 from configs.engine import EngineConfig, SamplingParams
 from configs.model import TargetConfig
+from draft.actor import DraftWorker
 from draft.config import DraftConfig
-from draft.model import DFlashDraftModel
 from draft.proposer import DraftRunner
-from target.loader import load_target
-from workers.cache import allocate_target_caches
+from workers.memory import MemoryProfile, plan_num_blocks
 from workers.model_runner import ModelRunner, SeqInput, StepOutput
+from workers.worker import TargetWorker
 
 
 @dataclass
@@ -81,7 +79,9 @@ class EnginePlan:
     draft_config: DraftConfig | None  # with the block-size override applied
     block_size: int  # B tokens verified per round; 1 without a draft
     max_model_len: int
-    num_kv_blocks: int
+    # KV pages per rank. None: measured at start-up (GPU), see workers/memory.py.
+    num_kv_blocks: int | None
+    min_kv_blocks: int  # pages one full-length sequence (+ a verify block) reaches
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -99,8 +99,18 @@ class EnginePlan:
         block = dcfg.block_size if dcfg else 1
         max_len = cfg.max_model_len or tcfg.max_position_embeddings
         pages_per_seq = -(-(max_len + block) // cfg.kv_block_size)
-        num_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * pages_per_seq
-        return cls(tcfg, dcfg, block, max_len, num_blocks)
+        num_blocks = cfg.num_kv_blocks
+        if num_blocks is None and not cfg.device.startswith("cuda"):
+            num_blocks = cfg.max_num_seqs * pages_per_seq  # CPU: nothing to measure
+        return cls(tcfg, dcfg, block, max_len, num_blocks, pages_per_seq)
+
+    def with_measured_blocks(self, profiles: list[MemoryProfile | None],
+                             max_num_seqs: int) -> EnginePlan:
+        if self.num_kv_blocks is not None:
+            return self
+        measured = [p for p in profiles if p is not None]
+        num_blocks = plan_num_blocks(measured, max_num_seqs, self.min_kv_blocks)
+        return replace(self, num_kv_blocks=num_blocks)
 
 
 class LLMEngine:
@@ -130,18 +140,20 @@ class LLMEngine:
         self._by_request: dict[str, Sequence] = {}
 
     def _local_parts(self, cfg: EngineConfig) -> tuple[ModelRunner, DraftRunner | None]:
-        device, plan = torch.device(cfg.device), self.plan
-        self.target = load_target(cfg.model, dtype=cfg.torch_dtype, device=device)
-        caches = allocate_target_caches(self.target, plan.num_kv_blocks, cfg.kv_block_size,
-                                        cfg.max_num_seqs, device)
-        runner = ModelRunner(self.target, caches, plan.aux_layer_ids, device, cfg.seed)
-        if plan.draft_config is None:
-            return runner, None
-        draft = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
-                                                 device=device, block_size=plan.block_size)
-        drafter = DraftRunner(draft, plan.num_kv_blocks, cfg.kv_block_size, plan.block_size,
-                              self.target.embed, self.target.compute_logits, device)
-        return runner, drafter
+        worker = TargetWorker(cfg, self.plan.aux_layer_ids, rank=0, tp=1)
+        worker.init_model()
+        self.target = worker.model
+        draft = None
+        if self.plan.draft_config is not None:
+            draft = DraftWorker(cfg, self.plan.block_size, self.target.embed,
+                                self.target.compute_logits, worker.device)
+        profiles = [worker.profile(self.plan.block_size), draft.profile() if draft else None]
+        self.plan = self.plan.with_measured_blocks(profiles, cfg.max_num_seqs)
+        worker.allocate(self.plan.num_kv_blocks)
+        if draft is None:
+            return worker.runner, None
+        draft.allocate(self.plan.num_kv_blocks)
+        return worker.runner, draft.runner
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -221,7 +233,8 @@ class LLMEngine:
 
     def _feed_draft(self, seqs: list[Sequence], out: StepOutput) -> None:
         if self.drafter is not None:
-            self.drafter.write_context(out.aux, out.aux_positions,
+            aux = out.aux if out.aux_ref is None else out.aux_ref
+            self.drafter.write_context(aux, out.aux_positions,
                                        [s.block_table for s in seqs], out.num_committed)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> int:

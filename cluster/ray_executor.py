@@ -16,6 +16,7 @@ killed and started afresh in the same placement group."""
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import ray
 import torch
@@ -31,7 +32,7 @@ from cluster.engine import EnginePlan, LLMEngine
 from configs.engine import EngineConfig
 from draft.actor import DraftWorker
 from workers.model_runner import SeqInput, StepOutput
-from workers.worker import TargetWorker
+from workers.worker import AUX_RING_SLOTS, TargetWorker
 
 # Generous: a first step on a GPU may compile Triton kernels for minutes.
 DEFAULT_STEP_TIMEOUT_S = 900.0
@@ -79,17 +80,27 @@ class RayTargetGroup:
 
 
 class RayDrafter:
+    """Context writes are not awaited: they queue on the draft actor ahead of the next
+    propose. Two things still need their refs: their errors (raised after that propose), and
+    the aux ring's flow control (rank 0's next put may not overwrite a slot the draft has not
+    read: at most AUX_RING_SLOTS − 1 writes may be outstanding when a step starts)."""
+
     def __init__(self, actor, step_timeout_s: float):
         self.actor = actor
         self.step_timeout_s = step_timeout_s
+        self.pending: deque = deque()  # write_context refs not yet known to be done
 
     def propose(self, anchors, context_lens, block_tables) -> torch.Tensor:
         ref = self.actor.propose.remote(anchors, context_lens, block_tables)
-        return wait_all([ref], self.step_timeout_s, "draft propose")[0]
+        drafts = wait_all([ref], self.step_timeout_s, "draft propose")[0]
+        done, self.pending = list(self.pending), deque()
+        ray.get(done)  # ran before the propose (actor order): raises a failed write
+        return drafts
 
     def write_context(self, aux, positions, block_tables, counts) -> None:
-        # Not awaited: the next propose on this actor runs after it, and raises its errors.
-        self.actor.write_context.remote(aux, positions, block_tables, counts)
+        self.pending.append(self.actor.write_context.remote(aux, positions, block_tables, counts))
+        while len(self.pending) > AUX_RING_SLOTS - 1:  # e.g. consecutive prefill steps
+            wait_all([self.pending.popleft()], self.step_timeout_s, "draft context write")
 
 
 class RayEngineCluster:
@@ -111,36 +122,53 @@ class RayEngineCluster:
         self.workers: list = []
         self.draft = None
         self.restarts = 0
-        self.engine = LLMEngine(cfg, *self._start_actors(), self.plan)
+        runner, drafter = self._start_actors()  # sets plan.num_kv_blocks where measured
+        self.engine = LLMEngine(cfg, runner, drafter, self.plan)
 
     def _in_bundle(self, i: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                 placement_group_bundle_index=i)
 
     def _start_actors(self) -> tuple[RayTargetGroup, RayDrafter | None]:
-        cfg, plan = self.cfg, self.plan
+        """Load → profile (first start only: the page count is kept for restarts) → allocate."""
+        cfg, plan, timeout = self.cfg, self.plan, self.step_timeout_s
         has_draft = plan.draft_config is not None
-        gpu = (lambda share: share) if self.use_gpu else (lambda share: 0)
+
+        def gpus(share: float) -> float:
+            return share if self.use_gpu else 0
+
+        # A ring slot holds the largest step: a prefill budget, or every sequence's block.
+        aux_ring_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * plan.block_size)
+        aux_ring_rows = aux_ring_rows if has_draft else 0
         worker_cls = ray.remote(TargetWorker)
         self.workers = [
-            worker_cls.options(num_cpus=1, num_gpus=gpu(0.5 if (i == 0 and has_draft) else 1),
+            worker_cls.options(num_cpus=1, num_gpus=gpus(0.5 if (i == 0 and has_draft) else 1),
                                scheduling_strategy=self._in_bundle(i), max_restarts=0)
-            .remote(cfg, plan.num_kv_blocks, plan.aux_layer_ids, i, self.tp)
+            .remote(cfg, plan.aux_layer_ids, i, self.tp, aux_ring_rows)
             for i in range(self.tp)
         ]
-        addr, port = wait_all([self.workers[0].address.remote()], self.step_timeout_s,
-                              "rank 0 address")[0]
-        wait_all([w.init_model.remote(addr, port) for w in self.workers], self.step_timeout_s,
-                 "target load")
-        drafter = None
-        if has_draft:
+        addr, port = wait_all([self.workers[0].address.remote()], timeout, "rank 0 address")[0]
+        loads = [w.init_model.remote(addr, port) for w in self.workers]
+        if has_draft:  # loads alongside the target, so its weights count in rank 0's profile
             self.draft = ray.remote(DraftWorker).options(
-                num_cpus=0, num_gpus=gpu(0.5), scheduling_strategy=self._in_bundle(0),
+                num_cpus=0, num_gpus=gpus(0.5), scheduling_strategy=self._in_bundle(0),
                 max_restarts=0,
-            ).remote(cfg, plan.num_kv_blocks, plan.block_size)
-            wait_all([self.draft.ping.remote()], self.step_timeout_s, "draft load")
-            drafter = RayDrafter(self.draft, self.step_timeout_s)
-        return RayTargetGroup(self.workers, self.step_timeout_s), drafter
+            ).remote(cfg, plan.block_size)
+            loads.append(self.draft.ping.remote())
+        wait_all(loads, timeout, "model load")
+        if has_draft:
+            spec = wait_all([self.workers[0].aux_spec.remote()], timeout, "aux ring")[0]
+            wait_all([self.draft.open_aux.remote(spec)], timeout, "aux ring")
+        if plan.num_kv_blocks is None:
+            refs = [w.profile.remote(plan.block_size) for w in self.workers]
+            profiles = wait_all(refs, timeout, "memory profile")
+            if has_draft:  # after the target's: both measure the same GPU
+                profiles += wait_all([self.draft.profile.remote()], timeout, "draft profile")
+            self.plan = plan = plan.with_measured_blocks(profiles, cfg.max_num_seqs)
+        actors = [*self.workers, *([self.draft] if has_draft else [])]
+        wait_all([a.allocate.remote(plan.num_kv_blocks) for a in actors], timeout, "allocate")
+        drafter = RayDrafter(self.draft, timeout) if has_draft else None
+        return RayTargetGroup(self.workers, timeout), drafter
 
     def actors(self) -> dict[str, list]:
         """Handles of the live actors (for operators and fault-injection tests)."""
@@ -157,7 +185,8 @@ class RayEngineCluster:
         cumulative statistics. Requests in flight are the caller's to fail."""
         self._kill_actors()
         old = self.engine
-        self.engine = LLMEngine(self.cfg, *self._start_actors(), self.plan)
+        runner, drafter = self._start_actors()
+        self.engine = LLMEngine(self.cfg, runner, drafter, self.plan)
         self.engine.stats, self.engine.draft_time = old.stats, old.draft_time
         self.engine.verify_time = old.verify_time
         self.restarts += 1

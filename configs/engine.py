@@ -53,6 +53,9 @@ class EngineConfig:
     seed: int = 0  # seeds the per-request generators of requests that bring no seed
     # Prompt tokens one prefill step feeds (vLLM's name); longer prompts are prefilled in chunks.
     max_num_batched_tokens: int = 8192
+    # GPU: the share of each GPU's memory the engine may hold (weights + activations + caches);
+    # the KV pool gets what is left (unless num_kv_blocks is given). vLLM's name and default.
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,6 +76,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_block_size <= 0:
             raise ValueError(f"kv_block_size must be positive, got {self.kv_block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"

@@ -1,8 +1,12 @@
 """The DFlash draft as its own Ray actor, colocated with TP rank 0 (a fractional GPU of the
-same bundle). It loads the target's embedding and lm_head itself: the draft embeds its block
-and reads its logits through them."""
+same bundle). Under Ray it loads the target's embedding and lm_head itself: the draft embeds its
+block and reads its logits through them; in process it borrows the target's.
+
+Start-up mirrors TargetWorker: construct (weights) → `profile` → `allocate` (KV pool)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -10,23 +14,72 @@ from configs.engine import EngineConfig
 from draft.model import DFlashDraftModel
 from draft.proposer import DraftRunner
 from target.loader import load_embedding_and_head
+from workers.aux_transport import AuxReceiver, AuxRef, AuxRingSpec
+from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
 
 
 class DraftWorker:
-    def __init__(self, cfg: EngineConfig, num_kv_blocks: int, block_size: int):
-        device = torch.device("cuda", 0) if cfg.device.startswith("cuda") else torch.device("cpu")
-        model = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
-                                                 device=device, block_size=block_size)
-        embed, head = load_embedding_and_head(cfg.model, cfg.torch_dtype, device)
-        self.runner = DraftRunner(model, num_kv_blocks, cfg.kv_block_size, block_size, embed,
-                                  lambda h: head(h).float(), device)
+    def __init__(self, cfg: EngineConfig, block_size: int,
+                 embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 device: torch.device | None = None):
+        self.cfg, self.block_size = cfg, block_size
+        on_gpu = cfg.device.startswith("cuda")
+        self.device = device or (torch.device("cuda", 0) if on_gpu else torch.device("cpu"))
+        self.model = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
+                                                      device=self.device, block_size=block_size)
+        if embed is None:
+            embed_module, head = load_embedding_and_head(cfg.model, cfg.torch_dtype, self.device)
+            embed, lm_head = embed_module, (lambda h: head(h).float())
+        self.embed, self.lm_head = embed, lm_head
+        self.runner: DraftRunner | None = None
+        self.aux_receiver: AuxReceiver | None = None
+
+    def _runner(self, num_blocks: int) -> DraftRunner:
+        return DraftRunner(self.model, num_blocks, self.cfg.kv_block_size, self.block_size,
+                           self.embed, self.lm_head, self.device)
+
+    @torch.inference_mode()
+    def profile(self) -> MemoryProfile | None:
+        """Peak of the largest steps: a context write of max_num_batched_tokens features and a
+        proposal for max_num_seqs sequences. None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        cfg = self.cfg
+        tokens, seqs = cfg.max_num_batched_tokens, cfg.max_num_seqs
+        pages = -(-tokens // cfg.kv_block_size)
+        width = self.model.cfg.aux_hidden_size
+
+        def largest_steps() -> None:
+            runner = self._runner(pages)
+            table = list(range(pages))
+            aux = torch.zeros(tokens, width, dtype=cfg.torch_dtype, device=self.device)
+            runner.write_context(aux, torch.arange(tokens), [table], [tokens])
+            runner.propose([0] * seqs, [tokens] * seqs, [table] * seqs)
+
+        peak = measure_peak(self.device, largest_steps)
+        d = self.model.cfg
+        per_page = (len(self.model.layers) * 2 * cfg.kv_block_size * d.num_key_value_heads
+                    * d.head_dim * cfg.torch_dtype.itemsize)
+        return MemoryProfile(gpu_id(self.device), cache_budget(self.device,
+                                                              cfg.gpu_memory_utilization),
+                             peak, per_page, 0)
+
+    def allocate(self, num_kv_blocks: int) -> None:
+        self.runner = self._runner(num_kv_blocks)
+
+    def open_aux(self, spec: AuxRingSpec) -> None:
+        self.aux_receiver = AuxReceiver.open(spec, self.device)
 
     def propose(self, anchors: list[int], context_lens: list[int],
                 block_tables: list[list[int]]) -> torch.Tensor:
         return self.runner.propose(anchors, context_lens, block_tables).cpu()
 
-    def write_context(self, aux: torch.Tensor, positions: torch.Tensor,
+    def write_context(self, aux: torch.Tensor | AuxRef, positions: torch.Tensor,
                       block_tables: list[list[int]], counts: list[int]) -> None:
+        """`aux`: the features, or a ref into the ring rank 0 shares with this actor."""
+        if isinstance(aux, AuxRef):
+            aux, _ = self.aux_receiver.get(aux)  # positions: the host copy the driver sent
         self.runner.write_context(aux, positions, block_tables, counts)
 
     def ping(self) -> bool:

@@ -11,6 +11,7 @@ from configs.engine import SamplingParams
 from target.batch import ForwardBatch, TargetCaches
 from target.model import Qwen3_5MoeForCausalLM
 from workers import sampling
+from workers.aux_transport import AuxRef
 from workers.cache import reset_state_slot
 
 
@@ -37,8 +38,11 @@ class StepOutput:
     new_tokens: list[list[int]]
     num_accepted: list[int]  # accepted draft tokens (0 for prefill)
     num_committed: list[int]  # tokens entered into the cache (prompt, or anchor + accepted)
-    aux: torch.Tensor  # [sum committed, n_aux·H], sequences concatenated
+    aux: torch.Tensor | None  # [sum committed, n_aux·H], sequences concatenated
     aux_positions: torch.Tensor  # [sum committed] their positions
+    # Under Ray, rank 0 puts `aux` into the ring it shares with the draft and sends this instead
+    # (aux is then None): see workers/aux_transport.py.
+    aux_ref: AuxRef | None = None
 
 
 class ModelRunner:

@@ -1,7 +1,11 @@
 """The tensor-parallel target worker: one Ray actor per GPU, holding its shard of the target,
 its caches and a ModelRunner. Every rank runs the same forward and the same acceptance
 (identical all-gathered logits and identically seeded generators give identical decisions),
-so ranks never exchange accept results; only rank 0 returns them."""
+so ranks never exchange accept results; only rank 0 returns them.
+
+Start-up has three calls, so the driver can size the caches from what every GPU has left:
+`init_model` (process group + weights) → `profile` (memory) → `allocate` (caches + runner).
+The in-process engine uses the same class without Ray (tp 1)."""
 
 from __future__ import annotations
 
@@ -10,22 +14,34 @@ import socket
 import torch
 import torch.distributed as dist
 
-from configs.engine import EngineConfig
+from configs.engine import EngineConfig, SamplingParams
 from target.distributed import TPGroup
 from target.loader import load_target
-from workers.cache import allocate_target_caches
+from target.model import Qwen3_5MoeForCausalLM
+from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
+from workers.cache import allocate_target_caches, bytes_per_state_slot, bytes_per_token
+from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
 from workers.model_runner import ModelRunner, SeqInput, StepOutput
+
+# Ring slots: put k may reuse slot k % 3 once at most two earlier puts are unread; the driver
+# (RayDrafter) keeps it so. Each slot holds the largest step's rows.
+AUX_RING_SLOTS = 3
 
 
 class TargetWorker:
-    def __init__(self, cfg: EngineConfig, num_kv_blocks: int, aux_layer_ids: tuple[int, ...],
-                 rank: int, tp: int):
+    def __init__(self, cfg: EngineConfig, aux_layer_ids: tuple[int, ...], rank: int, tp: int,
+                 aux_ring_rows: int = 0):
+        """`aux_ring_rows` > 0 (rank 0 under Ray, with a draft): aux features go to the draft
+        through a ring of that many rows per slot, shared once at start-up."""
         self.cfg, self.rank, self.tp = cfg, rank, tp
-        self.num_kv_blocks = num_kv_blocks
         self.aux_layer_ids = aux_layer_ids
-        # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, so it is always cuda:0 here.
+        self.aux_ring_rows = aux_ring_rows if rank == 0 and aux_layer_ids else 0
+        self.aux_sender: AuxSender | None = None
+        # Under Ray, CUDA_VISIBLE_DEVICES holds only this actor's GPU: cuda:0 is it.
         on_gpu = cfg.device.startswith("cuda")
-        self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+        self.device = torch.device(cfg.device if tp == 1 else "cuda:0") if on_gpu \
+            else torch.device("cpu")
+        self.model: Qwen3_5MoeForCausalLM | None = None
         self.runner: ModelRunner | None = None
 
     def address(self) -> tuple[str, int]:
@@ -37,18 +53,56 @@ class TargetWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_model(self, master_addr: str, master_port: int) -> int:
+    def init_model(self, master_addr: str | None = None, master_port: int | None = None) -> int:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.tp > 1:
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.tp)
         group = TPGroup(rank=self.rank, size=self.tp)
-        model = load_target(self.cfg.model, tp=group, dtype=self.cfg.torch_dtype,
-                            device=self.device)
-        caches = allocate_target_caches(model, self.num_kv_blocks, self.cfg.kv_block_size,
-                                        self.cfg.max_num_seqs, self.device)
-        self.runner = ModelRunner(model, caches, self.aux_layer_ids, self.device, self.cfg.seed)
+        self.model = load_target(self.cfg.model, tp=group, dtype=self.cfg.torch_dtype,
+                                 device=self.device)
+        if self.aux_ring_rows:  # before the memory profile, so the ring counts as used
+            width = len(self.aux_layer_ids) * self.model.config.hidden_size
+            self.aux_sender = make_aux_sender(self.device, AUX_RING_SLOTS, self.aux_ring_rows,
+                                              width, self.model.dtype)
         return self.rank
+
+    def aux_spec(self) -> AuxRingSpec:
+        return self.aux_sender.spec()
+
+    @torch.inference_mode()
+    def profile(self, block_size: int) -> MemoryProfile | None:
+        """The activation peak of the largest steps (a prefill of max_num_batched_tokens, and
+        verify-sized logits + probabilities for max_num_seqs × B rows) and the GPU memory
+        left. All ranks must call it together (the dummy prefill runs collectives). None on
+        CPU, where nothing is measured."""
+        if self.device.type != "cuda":
+            return None
+        cfg, model, page = self.cfg, self.model, self.cfg.kv_block_size
+        tokens = cfg.max_num_batched_tokens
+        pages = -(-tokens // page)
+
+        def largest_steps() -> None:
+            caches = allocate_target_caches(model, pages, page, 1, self.device)
+            runner = ModelRunner(model, caches, self.aux_layer_ids, self.device)
+            runner.prefill([SeqInput(0, [0] * tokens, 0, list(range(pages)), 0,
+                                     SamplingParams())])
+            del runner, caches
+            hidden = torch.zeros(cfg.max_num_seqs * block_size, model.config.hidden_size,
+                                 dtype=model.dtype, device=self.device)
+            torch.softmax(model.compute_logits(hidden).float(), dim=-1)
+
+        peak = measure_peak(self.device, largest_steps)
+        return MemoryProfile(gpu_id(self.device), cache_budget(self.device,
+                                                              cfg.gpu_memory_utilization),
+                             peak, bytes_per_token(self.model) * page,
+                             bytes_per_state_slot(self.model))
+
+    def allocate(self, num_kv_blocks: int) -> None:
+        caches = allocate_target_caches(self.model, num_kv_blocks, self.cfg.kv_block_size,
+                                        self.cfg.max_num_seqs, self.device)
+        self.runner = ModelRunner(self.model, caches, self.aux_layer_ids, self.device,
+                                  self.cfg.seed)
 
     def prefill(self, seqs: list[SeqInput]) -> StepOutput | None:
         return self._only_rank0(self.runner.prefill(seqs))
@@ -65,9 +119,16 @@ class TargetWorker:
     def _only_rank0(self, out: StepOutput) -> StepOutput | None:
         if self.rank != 0:
             return None
-        out.aux, out.aux_positions = out.aux.cpu(), out.aux_positions.cpu()
+        if self.aux_sender is not None:
+            out.aux_ref = self.aux_sender.put(out.aux, out.aux_positions)
+            out.aux = None
+        else:
+            out.aux = out.aux.cpu()
+        out.aux_positions = out.aux_positions.cpu()  # the draft maps positions on the host
         return out
 
     def shutdown(self) -> None:
+        if self.aux_sender is not None:
+            self.aux_sender.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -52,3 +52,57 @@ def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, dr
             assert cluster.engine.stats.accepted_at[0] > 0
     finally:
         cluster.shutdown()
+
+
+def test_aux_ring_feeds_the_draft_exactly_what_the_in_process_engine_feeds(ray_cluster):
+    """The draft's inputs travel through the shared-memory ring under Ray. Wrong rows would
+    not change greedy outputs (verification fixes them) but would change acceptance, so compare
+    acceptance lengths with the in-process engine. A prefill budget of 7 tokens makes several
+    prefill steps in a row: more context writes outstanding than the ring has slots, unless
+    the driver's flow control holds them back."""
+    prompts, params = prompts_and_params(6)
+    cfg = EngineConfig(model=str(DEMO / "target"), draft_model=str(DEMO / "draft"),
+                       block_size=8, max_num_seqs=8, kv_block_size=4, max_num_batched_tokens=7)
+    want = LLMEngine(cfg).generate(prompts, params)
+    cluster = RayEngineCluster(cfg, 1)
+    try:
+        got = cluster.engine.generate(prompts, params)
+        assert [o.output_ids for o in got] == [o.output_ids for o in want]
+        assert [o.acceptance_lengths for o in got] == [o.acceptance_lengths for o in want]
+        assert sum(map(sum, (o.acceptance_lengths for o in want))) > len(want) * 3
+    finally:
+        cluster.shutdown()
+
+
+def test_drafter_keeps_at_most_ring_slots_minus_one_writes_outstanding(ray_cluster):
+    import ray
+
+    from cluster.ray_executor import RayDrafter
+    from workers.worker import AUX_RING_SLOTS
+
+    @ray.remote
+    class SlowDraft:  # a draft that lags behind the target, as a busy one would
+        def __init__(self):
+            self.log = []
+
+        def write_context(self, aux, positions, tables, counts):
+            import time
+
+            time.sleep(0.2)
+            self.log.append(aux)
+
+        def propose(self, anchors, context_lens, tables):
+            return torch.zeros(len(anchors), 1, dtype=torch.long)
+
+        def written(self):
+            return self.log
+
+    actor = SlowDraft.remote()
+    drafter = RayDrafter(actor, step_timeout_s=60)
+    for k in range(6):  # six prefill steps in a row: each would put into the ring first
+        drafter.write_context(k, None, [], [])
+        _, unfinished = ray.wait(list(drafter.pending), num_returns=len(drafter.pending),
+                                 timeout=0)
+        assert len(unfinished) <= AUX_RING_SLOTS - 1
+    drafter.propose([1], [1], [[0]])
+    assert not drafter.pending and ray.get(actor.written.remote()) == list(range(6))

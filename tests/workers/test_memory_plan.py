@@ -1,0 +1,51 @@
+"""Sizing the KV pool from measured profiles: processes sharing a GPU add up, the tightest GPU
+decides, and a pool too small for one full-length sequence is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine import EnginePlan
+from configs.engine import EngineConfig
+from workers.memory import MemoryProfile, plan_num_blocks
+
+MiB = 1 << 20
+
+
+def test_processes_sharing_a_gpu_add_up_and_the_tightest_gpu_decides():
+    rank0 = MemoryProfile("gpu0", cache_budget=1000 * MiB, activation_peak=100 * MiB,
+                          bytes_per_page=MiB, bytes_per_slot=2 * MiB)
+    draft = MemoryProfile("gpu0", cache_budget=990 * MiB, activation_peak=40 * MiB,
+                          bytes_per_page=MiB // 2, bytes_per_slot=0)
+    rank1 = MemoryProfile("gpu1", cache_budget=1200 * MiB, activation_peak=100 * MiB,
+                          bytes_per_page=MiB, bytes_per_slot=2 * MiB)
+    # gpu0: (990 − 100 − 40 − 10·2) MiB over 1.5 MiB per page; gpu1: (1200 − 100 − 20) / 1
+    assert plan_num_blocks([rank0, draft, rank1], num_slots=10, min_blocks=8) == 830 * 2 // 3
+    assert plan_num_blocks([rank1], num_slots=10, min_blocks=8) == 1080
+
+
+def test_too_little_memory_names_what_to_change():
+    tight = MemoryProfile("gpu0", cache_budget=50 * MiB, activation_peak=40 * MiB,
+                          bytes_per_page=MiB, bytes_per_slot=MiB)
+    with pytest.raises(ValueError, match="max_model_len or max_num_seqs.*gpu_memory_utilization"):
+        plan_num_blocks([tight], num_slots=4, min_blocks=16)
+
+
+def test_cpu_plans_without_measuring_and_gpu_plans_measure(tiny_demo):
+    target, draft = map(str, tiny_demo)
+    cpu = EnginePlan.from_config(EngineConfig(model=target, draft_model=draft, max_num_seqs=3,
+                                              max_model_len=100, kv_block_size=8))
+    assert cpu.min_kv_blocks == -(-(100 + cpu.block_size) // 8)
+    assert cpu.num_kv_blocks == 3 * cpu.min_kv_blocks
+    assert cpu.with_measured_blocks([None], 3) is cpu
+    gpu = EnginePlan.from_config(EngineConfig(model=target, device="cuda", max_model_len=100))
+    assert gpu.num_kv_blocks is None  # decided at start-up from the profiles
+    fixed = EnginePlan.from_config(EngineConfig(model=target, device="cuda", num_kv_blocks=77))
+    assert fixed.num_kv_blocks == 77
+    profile = MemoryProfile("g", 64 * MiB, 0, MiB, 0)
+    assert gpu.with_measured_blocks([profile], 1).num_kv_blocks == 64
+
+
+def test_gpu_memory_utilization_is_validated():
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(model="m", gpu_memory_utilization=1.5)

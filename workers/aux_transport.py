@@ -1,0 +1,258 @@
+"""The aux hidden-state transport from TP rank 0 of the target to the draft actor colocated with
+it. Each step rank 0 copies aux [N, D] (model dtype) and aux_positions [N] (int64) into one slot
+of a ring preallocated in memory both processes map, and only an `AuxRef` (slot, rows) crosses
+the Ray calls rank 0 → driver → draft, instead of the tensors going through the object store.
+
+Rings, picked by device in `make_aux_sender`:
+  cpu   a POSIX shared-memory segment (/dev/shm, Linux) viewed through `torch.frombuffer`.
+  cuda  a CUDA tensor ring shared through CUDA IPC (`reduce_tensor`), plus one interprocess
+        event the sender records after each copy and the reader waits on before reading.
+Both need the draft on the same node; cuda also on the same GPU (Ray narrows
+CUDA_VISIBLE_DEVICES to it, so it is cuda:0 in both processes). A draft on another GPU would plug
+in behind the same AuxSender / AuxReceiver interface as an NCCL send/recv pair (not built).
+Steps with more rows than a slot holds (long prefills) fall back to an AuxRef carrying the
+tensors inline on CPU, i.e. the object-store path.
+
+Flow-control contract. The transport never waits and cannot detect misuse: put k overwrites
+slot k % num_slots unconditionally. So when put is called, at most num_slots − 1 earlier puts
+may still be unread, where "read" means the reader is done with the tensors `get` returned
+(views into the ring), on the device too: on cuda its stream must have run past their last use,
+e.g. a later host sync on the draft such as propose's `.cpu()`. Enforcing this is the driver's
+job; breaking it silently hands the reader rows of a newer step.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class AuxRef:
+    """One put, as it crosses the Ray calls: a slot of the ring, or (fallback) the tensors."""
+
+    slot: int  # -1 when inline
+    num_rows: int  # N
+    aux: torch.Tensor | None = None  # inline only: CPU [N, D]
+    positions: torch.Tensor | None = None  # inline only: CPU [N] int64
+
+
+@dataclass(frozen=True)
+class AuxRingSpec:
+    """What another process needs to open the ring; picklable, a few hundred bytes."""
+
+    kind: str  # "shm" | "cuda"
+    num_slots: int
+    max_rows: int  # rows per slot
+    width: int  # D = n_aux · H
+    dtype: torch.dtype
+    shm_name: str = ""  # shm: the segment, positions [S, R] int64 then aux [S, R, D]
+    cuda_aux: tuple = ()  # cuda: reduce_tensor() of the aux ring [S, R, D]
+    cuda_positions: tuple = ()  # cuda: reduce_tensor() of the positions ring [S, R]
+    cuda_event: bytes = b""  # cuda: ipc_handle() of the copy-done event
+
+
+class AuxSender(ABC):
+    """Owned by TP rank 0: `put` once per step, `spec` once for the draft, `close` at shutdown."""
+
+    def __init__(self, num_slots: int, max_rows: int, width: int, dtype: torch.dtype):
+        if num_slots < 2 or max_rows < 1 or width < 1:
+            raise ValueError(f"aux ring needs num_slots >= 2, max_rows >= 1, width >= 1; got "
+                             f"{num_slots=}, {max_rows=}, {width=}")
+        self.num_slots, self.max_rows, self.width, self.dtype = num_slots, max_rows, width, dtype
+        self.aux_ring: torch.Tensor  # [S, R, D], set by the subclass
+        self.pos_ring: torch.Tensor  # [S, R] int64
+        self._puts = 0
+
+    def put(self, aux: torch.Tensor, positions: torch.Tensor) -> AuxRef:
+        """aux [N, D], positions [N]. Never waits for the reader (see the contract); only the
+        inline fallback's `.cpu()` waits for the device."""
+        if aux.dim() != 2 or aux.shape[1] != self.width or aux.dtype != self.dtype:
+            # A silent cast (say fp32 → bf16) would change the draft's inputs.
+            raise ValueError(f"aux must be [N, {self.width}] {self.dtype}, got "
+                             f"{list(aux.shape)} {aux.dtype}")
+        n = aux.shape[0]
+        if n > self.max_rows:
+            return AuxRef(-1, n, aux.cpu(), positions.cpu())
+        slot = self._puts % self.num_slots
+        self._puts += 1
+        non_blocking = self.aux_ring.is_cuda  # cuda: ordered by the event; cpu: must be done
+        self.aux_ring[slot, :n].copy_(aux, non_blocking=non_blocking)
+        self.pos_ring[slot, :n].copy_(positions, non_blocking=non_blocking)
+        self._published()
+        return AuxRef(slot, n)
+
+    @abstractmethod
+    def _published(self) -> None:
+        """Makes the copy just enqueued visible to readers."""
+
+    @abstractmethod
+    def spec(self) -> AuxRingSpec: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class AuxReceiver(ABC):
+    """Opened in the draft process; `get` returns views into the ring (see the contract)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.aux_ring: torch.Tensor  # [S, R, D]
+        self.pos_ring: torch.Tensor  # [S, R] int64
+
+    @staticmethod
+    def open(spec: AuxRingSpec, device: torch.device | str) -> AuxReceiver:
+        device = _indexed(device)
+        return _CudaReceiver(spec, device) if spec.kind == "cuda" else _ShmReceiver(spec, device)
+
+    def get(self, ref: AuxRef) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (aux [N, D], positions [N]) on the receiver's device."""
+        if ref.aux is not None:
+            return ref.aux.to(self.device), ref.positions.to(self.device)
+        self._before_read()
+        n = ref.num_rows
+        return (self.aux_ring[ref.slot, :n].to(self.device),
+                self.pos_ring[ref.slot, :n].to(self.device))
+
+    @abstractmethod
+    def _before_read(self) -> None:
+        """Orders the reads that follow after the sender's copy."""
+
+    def close(self) -> None:
+        # Views handed out keep their mapping alive; this only drops the receiver's own.
+        del self.aux_ring, self.pos_ring
+
+
+def make_aux_sender(device: torch.device | str, num_slots: int, max_rows: int, width: int,
+                    dtype: torch.dtype) -> AuxSender:
+    device = _indexed(device)
+    if device.type == "cuda":
+        return _CudaSender(device, num_slots, max_rows, width, dtype)
+    return _ShmSender(num_slots, max_rows, width, dtype)
+
+
+def _indexed(device: torch.device | str) -> torch.device:
+    device = torch.device(device)  # "cuda" != "cuda:0" when comparing devices
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+# ---- cpu: POSIX shared memory --------------------------------------------------------------
+
+def _shm_size(num_slots: int, max_rows: int, width: int, dtype: torch.dtype) -> int:
+    return num_slots * max_rows * (8 + width * dtype.itemsize)  # positions, then aux
+
+
+def _map_rings(name: str, s: int, r: int, d: int, dtype: torch.dtype,
+               create: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Maps the segment by path rather than through SharedMemory(name): a reader then never
+    registers it with multiprocessing's resource_tracker (which, before Python 3.13, unlinks it
+    when the reader exits, and is shared with the writer by a spawn child, so unregistering would
+    drop the writer's entry too), and the mapping lives exactly as long as the tensors on it."""
+    size = _shm_size(s, r, d, dtype)
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+    try:
+        if create:
+            # Reserve the pages now: a /dev/shm too small for the ring (Docker's default is
+            # 64 MiB) fails here with ENOSPC instead of a SIGBUS at some later put.
+            os.posix_fallocate(fd, 0, size)
+        buf = mmap.mmap(fd, size)  # dups fd; unmapped when the last tensor on it dies
+    finally:
+        os.close(fd)
+    pos = torch.frombuffer(buf, dtype=torch.int64, count=s * r).view(s, r)
+    aux = torch.frombuffer(buf, dtype=dtype, count=s * r * d, offset=s * r * 8).view(s, r, d)
+    return aux, pos
+
+
+class _ShmSender(AuxSender):
+    def __init__(self, num_slots: int, max_rows: int, width: int, dtype: torch.dtype):
+        super().__init__(num_slots, max_rows, width, dtype)
+        size = _shm_size(num_slots, max_rows, width, dtype)
+        # Created through SharedMemory so the resource_tracker unlinks it if rank 0 dies.
+        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
+            create=True, size=size)
+        self._shm.close()  # its own mapping is not used; the name stays until unlink
+        self.aux_ring, self.pos_ring = _map_rings(self._shm.name, num_slots, max_rows, width,
+                                                  dtype, create=True)
+
+    def _published(self) -> None:
+        pass  # copy_ into host memory has finished; the Ray hops carrying the ref order the rest
+
+    def spec(self) -> AuxRingSpec:
+        return AuxRingSpec("shm", self.num_slots, self.max_rows, self.width, self.dtype,
+                           shm_name=self._shm.name)
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.unlink()  # readers' mappings stay valid; new opens fail
+            self._shm = None
+
+
+class _ShmReceiver(AuxReceiver):
+    def __init__(self, spec: AuxRingSpec, device: torch.device):
+        super().__init__(device)
+        self.aux_ring, self.pos_ring = _map_rings(spec.shm_name, spec.num_slots, spec.max_rows,
+                                                  spec.width, spec.dtype)
+
+    def _before_read(self) -> None:
+        pass
+
+
+# ---- cuda: IPC tensor ring + interprocess event -------------------------------------------
+# The reader waits on the host (cudaEventSynchronize), not with a stream wait: on an H200
+# (driver 580, torch 2.11) a stream wait on an IPC event delayed the reader's next kernels by
+# ~250 µs even when the event had long completed; a host wait costs tens of µs
+# (docs/BENCHMARKS.md). It should rarely block: rank 0 queues the copy at the end of a step it
+# already synchronised for acceptance, and the ref then spends far longer in the Ray calls.
+# One event is enough, not one per slot: the sender records it after every put on its stream,
+# and a wait covers the latest record at the time of the wait. That record is this put's or a
+# later one (the ref only exists after this put's record); a later one completes only after
+# this put's copy, as the sender's stream runs in order. So it may over-wait, never under-wait.
+
+class _CudaSender(AuxSender):
+    def __init__(self, device: torch.device, num_slots: int, max_rows: int, width: int,
+                 dtype: torch.dtype):
+        super().__init__(num_slots, max_rows, width, dtype)
+        self.device = device
+        self.aux_ring = torch.empty(num_slots, max_rows, width, dtype=dtype, device=device)
+        self.pos_ring = torch.empty(num_slots, max_rows, dtype=torch.int64, device=device)
+        self._copied = torch.cuda.Event(interprocess=True)
+        self._copied.record(torch.cuda.current_stream(device))  # creates it on this device
+
+    def _published(self) -> None:
+        self._copied.record(torch.cuda.current_stream(self.device))
+
+    def spec(self) -> AuxRingSpec:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return AuxRingSpec("cuda", self.num_slots, self.max_rows, self.width, self.dtype,
+                           cuda_aux=reduce_tensor(self.aux_ring),
+                           cuda_positions=reduce_tensor(self.pos_ring),
+                           cuda_event=self._copied.ipc_handle())
+
+    def close(self) -> None:
+        # torch's CUDA IPC bookkeeping keeps the memory alive while a reader still maps it.
+        self.aux_ring = self.pos_ring = torch.empty(0)
+
+
+class _CudaReceiver(AuxReceiver):
+    def __init__(self, spec: AuxRingSpec, device: torch.device):
+        super().__init__(device)
+        rebuild, args = spec.cuda_aux
+        self.aux_ring = rebuild(*args)
+        rebuild, args = spec.cuda_positions
+        self.pos_ring = rebuild(*args)
+        if self.aux_ring.device != device:
+            raise ValueError(f"the aux ring lives on {self.aux_ring.device}, not {device}: "
+                             f"the draft must share the GPU of TP rank 0")
+        self._copied = torch.cuda.Event.from_ipc_handle(device, spec.cuda_event)
+
+    def _before_read(self) -> None:
+        self._copied.synchronize()

@@ -1,0 +1,73 @@
+"""How many KV pages an engine gets: measured at start-up, after the weights are loaded and
+before any cache exists (vLLM's `gpu_memory_utilization` scheme).
+
+Each process on a GPU reports a `MemoryProfile`: what the GPU has left for caches within its
+utilisation share after the weights (every process on that GPU counted, through
+`cudaMemGetInfo`) and this process's activation peak (measured by a dummy forward of the
+largest step), and what one page / one state slot costs it. The driver adds up the processes
+sharing a GPU (TP rank 0 + the draft) and takes the smallest page count over GPUs: every rank
+holds the same page ids. On CPU nothing is measured: the pool holds `max_num_seqs`
+full-length sequences (or `num_kv_blocks`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """One process's view of its GPU; crosses the actor boundary."""
+
+    gpu_id: str  # physical GPU (UUID): processes with the same id share its memory
+    cache_budget: int  # bytes left for caches on this GPU (shared by all its processes)
+    activation_peak: int  # bytes this process needs beyond its caches while running a step
+    bytes_per_page: int  # this process's KV bytes per page (all its layers)
+    bytes_per_slot: int  # this process's recurrent-state bytes per sequence slot
+
+
+def gpu_id(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def measure_peak(device: torch.device, run: Callable[[], None]) -> int:
+    """Extra bytes `run` allocates at its peak (its transient buffers are freed after)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    return peak
+
+
+def cache_budget(device: torch.device, utilization: float) -> int:
+    """Bytes of this GPU still free within `utilization` × total, all processes counted."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * utilization) - (total - free)
+
+
+def plan_num_blocks(profiles: list[MemoryProfile], num_slots: int, min_blocks: int) -> int:
+    """Pages every GPU can hold once each of its processes has its state slots and activation
+    headroom. Raises ValueError (what to change) when one full-length sequence does not fit."""
+    by_gpu: dict[str, list[MemoryProfile]] = {}
+    for p in profiles:
+        by_gpu.setdefault(p.gpu_id, []).append(p)
+    blocks = []
+    for procs in by_gpu.values():
+        budget = min(p.cache_budget for p in procs)  # measured at different moments: the least
+        budget -= sum(p.activation_peak + num_slots * p.bytes_per_slot for p in procs)
+        per_page = sum(p.bytes_per_page for p in procs)
+        blocks.append(max(budget, 0) // per_page if per_page else 0)
+    num_blocks = min(blocks)
+    if num_blocks < min_blocks:
+        raise ValueError(
+            f"the GPU memory left after weights, activations and {num_slots} state slots holds "
+            f"{num_blocks} KV pages; one full-length sequence needs {min_blocks}. Lower "
+            f"max_model_len or max_num_seqs, raise gpu_memory_utilization, or use more GPUs "
+            f"(tp)")
+    return num_blocks
