@@ -49,7 +49,10 @@ def ray_cluster():
     """One local Ray cluster for the session: fake GPUs are enough for placement on CPU."""
     import ray
 
-    ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, log_to_driver=False,
+    # Fake GPUs for placement on CPU; the real ones where there are (fake ones would hand
+    # actors CUDA_VISIBLE_DEVICES of GPUs that do not exist).
+    num_gpus = torch.cuda.device_count() or 4
+    ray.init(num_cpus=8, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()

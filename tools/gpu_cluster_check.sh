@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The cluster path on one GPU host without package access (e.g. the lent H200): GPU tests of
+# the engine/cluster/aux ring, Ray hop timings, and `dflash-serve serve` end to end.
+#   ../shared/tools/device-wheels.sh --ray   # fills .whl/ (fla, Ray Serve) on a machine with pip
+#   OUT=/some/dir bash tools/gpu_cluster_check.sh
+set -u
+OUT=${OUT:-/tmp/gpu_cluster_check}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+fi
+export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, ray, fla; print('torch', torch.__version__, 'ray', ray.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/cluster/test_gpu_cluster.py \
+  tests/workers/test_aux_transport.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+timeout 200 python3 -m bench.ray_hops --model tests/assets/tiny/target \
+  --draft tests/assets/tiny/draft --tp 1 --device cuda --iters 200 \
+  --out "$OUT/ray_hops_h200.json" > "$OUT/ray_hops.log" 2>&1 || tail -30 "$OUT/ray_hops.log"
+port=8123
+timeout 150 python3 -m deploy.cli serve --model tests/assets/tiny/target \
+  --draft-model tests/assets/tiny/draft --tp 1 --device cuda --dtype bfloat16 --port $port \
+  > "$OUT/serve.log" 2>&1 &
+for _ in $(seq 75); do sleep 2; grep -q "Ctrl-C\|Error" "$OUT/serve.log" && break; done
+{
+  curl -s localhost:$port/v1/completions -H 'Content-Type: application/json' \
+    -d '{"model": "target", "prompt": "The quick brown fox", "max_tokens": 48, "ignore_eos": true}'
+  echo
+  curl -s localhost:$port/metrics | grep -E "^dflash_(spec_decode|draft_time_per_round_seconds_(sum|count)|verify_time_per_round_seconds_(sum|count)|kv_cache)"
+} | tee "$OUT/serve_gpu.txt"
+pkill -INT -f "deploy.cli serve"; sleep 8
+tail -3 "$OUT/serve.log"
