@@ -14,7 +14,8 @@ import logging
 from collections.abc import AsyncIterator
 
 from cluster.engine import LLMEngine, RequestOutput
-from cluster.engine_loop import EngineDeadError, EngineSnapshot, LocalEngineClient
+from cluster.engine_loop import LocalEngineClient
+from cluster.engine_types import EngineDeadError, EngineSnapshot
 from cluster.ray_executor import DEFAULT_STEP_TIMEOUT_S, RayEngineCluster
 from configs.engine import EngineConfig, SamplingParams
 

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from cluster.engine import RequestOutput
-from cluster.engine_loop import (
+from cluster.engine_loop import LocalEngineClient
+from cluster.engine_types import (
     EngineDeadError,
     EngineOverloaded,
     EngineSnapshot,
     EngineStepError,
-    LocalEngineClient,
     RequestTiming,
 )
 from configs.engine import SamplingParams

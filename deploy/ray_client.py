@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.driver import EngineDriver
 from cluster.engine import RequestOutput
-from cluster.engine_loop import (
+from cluster.engine_types import (
     EngineDeadError,
     EngineSnapshot,
     EngineStepError,

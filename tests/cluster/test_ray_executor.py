@@ -106,3 +106,32 @@ def test_drafter_keeps_at_most_ring_slots_minus_one_writes_outstanding(ray_clust
         assert len(unfinished) <= AUX_RING_SLOTS - 1
     drafter.propose([1], [1], [[0]])
     assert not drafter.pending and ray.get(actor.written.remote()) == list(range(6))
+
+
+def test_wait_all_raises_a_failure_at_once_and_a_hang_after_the_timeout(ray_cluster):
+    """What keeps a dead or hung rank from hanging the engine: the first error comes back
+    while a healthy rank is still blocked (as in a collective with the dead one), and silence
+    ends at the step timeout."""
+    import time
+
+    import ray
+
+    from cluster.ray_executor import ActorStepTimeout, wait_all
+
+    @ray.remote
+    def blocked(seconds: float) -> int:
+        time.sleep(seconds)
+        return 1
+
+    @ray.remote
+    def dies() -> int:
+        raise RuntimeError("rank 1 is gone")
+
+    slow = blocked.remote(120)
+    with pytest.raises(RuntimeError, match="rank 1 is gone"):
+        wait_all([slow, dies.remote()], timeout_s=100, what="verify")
+    assert ray.wait([slow], timeout=0)[0] == []  # raised while the blocked rank still runs
+    with pytest.raises(ActorStepTimeout, match="verify: no reply within 1 s"):
+        wait_all([slow], timeout_s=1, what="verify")
+    ray.cancel(slow, force=True)
+    assert wait_all([blocked.remote(0), blocked.remote(0)], 30, "ok") == [1, 1]

@@ -19,8 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.engine import LLMEngine
 from configs.engine import EngineConfig, SamplingParams
+from deploy.detokenizer import TextStream
 from deploy.engine_client import EngineDeadError, LocalEngineClient
-from deploy.openai_api import TextStream, build_app
+from deploy.openai_api import build_app
 from deploy.tokenizer import load_tokenizer
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
