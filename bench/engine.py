@@ -1,0 +1,219 @@
+"""Step latencies of the in-process engine parts (no Ray, no HTTP) against their memory-bound
+floors and transformers, in one run:
+
+    python -m bench.engine --random-weights --preset qwen3.5-35b-a3b --device cuda \
+        --batch-sizes 1 8 32 --block-sizes 8 16 --out engine.json
+    python -m bench.engine --model DIR --draft-model DIR ...      # a real checkpoint pair
+
+Per batch size: prefill throughput (prompt-len tokens per sequence in one step), the
+autoregressive decode step (a 1-token verify: forward + greedy accept + commit), the verify
+step for each B (random drafts), the draft's proposal for each B, one whole round (propose +
+verify + context write), and the floor of each step (bytes moved / bandwidth measured here).
+At batch 1 also transformers' `Qwen3_5MoeForCausalLM` decoding over the same weights. The
+projected DFlash speedup is τ · t_decode / t_round(B) for each τ. Medians over --iters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench.floors import cache_bytes, measure_bandwidth, record_routing, sync, weight_bytes
+from bench.random_model import build_draft, build_target, transformers_twin
+from configs.engine import SamplingParams
+from configs.presets import draft_preset, target_preset
+from draft.proposer import DraftRunner
+from workers.cache import allocate_target_caches
+from workers.model_runner import ModelRunner, SeqInput
+
+GREEDY = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+
+
+def timed(device: torch.device, fn, warmup: int, iters: int) -> tuple[float, object]:
+    """Median milliseconds of fn() over iters after warmup calls; returns the last result."""
+    out, samples = None, []
+    for i in range(warmup + iters):
+        sync(device)
+        t = time.perf_counter()
+        out = fn()
+        sync(device)
+        if i >= warmup:
+            samples.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(samples), out
+
+
+class Batch:
+    """b sequences with their caches, advanced by every verify the bench runs."""
+
+    def __init__(self, target, aux_ids, b: int, prompt_len: int, max_new: int, page: int,
+                 device: torch.device):
+        self.pages = -(-(prompt_len + max_new) // page)
+        caches = allocate_target_caches(target, b * self.pages, page, b, device)
+        self.runner = ModelRunner(target, caches, aux_ids, device)
+        self.tables = [list(range(i * self.pages, (i + 1) * self.pages)) for i in range(b)]
+        g = torch.Generator().manual_seed(0)
+        vocab = target.config.vocab_size
+        self.prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+                        for _ in range(b)]
+        self.vocab, self.b = vocab, b
+        self.num_cached, self.anchors = [0] * b, [0] * b
+
+    def prefill(self):
+        out = self.runner.prefill([SeqInput(i, p, 0, self.tables[i], i, GREEDY)
+                                   for i, p in enumerate(self.prompts)])
+        self.num_cached = [len(p) for p in self.prompts]
+        self.anchors = [t[-1] for t in out.new_tokens]
+        return out
+
+    def verify(self, drafts: list[list[int]]):
+        out = self.runner.verify([
+            SeqInput(i, [self.anchors[i], *drafts[i]], self.num_cached[i], self.tables[i], i,
+                     GREEDY) for i in range(self.b)])
+        for i, (toks, n) in enumerate(zip(out.new_tokens, out.num_accepted, strict=True)):
+            self.num_cached[i] += n + 1
+            self.anchors[i] = toks[-1]
+        return out
+
+    def random_drafts(self, k: int) -> list[list[int]]:
+        return torch.randint(0, self.vocab, (self.b, k)).tolist()
+
+
+def floor_ms(target, batch: Batch, step, num_tokens: int, query_len: int, bw: float) -> float:
+    ctx = list(batch.num_cached)
+    with record_routing(target) as routed:
+        step()
+    nbytes = weight_bytes(target, routed, num_tokens) + cache_bytes(target, ctx, query_len)
+    return nbytes / bw * 1e3
+
+
+def bench_batch(target, draft, b: int, args, bw: float, device: torch.device) -> dict:
+    steps_per_kind = args.warmup + args.iters + 1
+    max_new = steps_per_kind * (2 + 3 * len(args.block_sizes)) * max(args.block_sizes)
+    aux_ids = tuple(draft.cfg.target_layer_ids)
+    batch = Batch(target, aux_ids, b, args.prompt_len, max_new, args.page_size, device)
+    r: dict = {"batch": b}
+    ms, out = timed(device, batch.prefill, 1, 1)
+    r["prefill_ms"], r["prefill_tok_per_s"] = ms, b * args.prompt_len / ms * 1e3
+    drafter = DraftRunner(draft, b * batch.pages, args.page_size, max(args.block_sizes),
+                          target.embed, target.compute_logits, device)
+    drafter.write_context(out.aux, out.aux_positions, batch.tables, out.num_committed)
+
+    r["decode_ms"], _ = timed(device, lambda: batch.verify([[]] * b), args.warmup, args.iters)
+    r["decode_floor_ms"] = floor_ms(target, batch, lambda: batch.verify([[]] * b), b, 1, bw)
+    for B in args.block_sizes:
+        def verify(B=B):
+            return batch.verify(batch.random_drafts(B - 1))
+
+        r[f"verify_B{B}_ms"], _ = timed(device, verify, args.warmup, args.iters)
+        r[f"verify_B{B}_floor_ms"] = floor_ms(target, batch, verify, b * B, B, bw)
+        drafter.block_size = B
+
+        def propose():
+            return drafter.propose(batch.anchors, batch.num_cached, batch.tables)
+
+        r[f"draft_B{B}_ms"], _ = timed(device, propose, args.warmup, args.iters)
+
+        def round_():
+            drafts = propose().tolist()
+            o = batch.verify(drafts)
+            drafter.write_context(o.aux, o.aux_positions, batch.tables, o.num_committed)
+
+        r[f"round_B{B}_ms"], _ = timed(device, round_, args.warmup, args.iters)
+        r[f"projected_speedup_B{B}"] = {
+            str(tau): tau * r["decode_ms"] / r[f"round_B{B}_ms"] for tau in args.taus}
+    return r
+
+
+@torch.inference_mode()
+def bench_transformers(hf, device: torch.device, prompt_len: int, vocab: int, args) -> dict:
+    ids = torch.randint(0, vocab, (1, prompt_len), device=device)
+    sync(device)
+    t = time.perf_counter()
+    out = hf(input_ids=ids, use_cache=True)
+    sync(device)
+    prefill_ms = (time.perf_counter() - t) * 1e3
+    state = {"past": out.past_key_values, "tok": out.logits[:, -1:].argmax(-1)}
+
+    def step():
+        o = hf(input_ids=state["tok"], past_key_values=state["past"], use_cache=True)
+        state["past"], state["tok"] = o.past_key_values, o.logits[:, -1:].argmax(-1)
+
+    decode_ms, _ = timed(device, step, args.warmup, args.iters)
+    return {"batch": 1, "prefill_ms": prefill_ms, "decode_ms": decode_ms}
+
+
+def table(results: dict) -> str:
+    rows = ["| batch | prefill tok/s | decode ms (floor) | " + " | ".join(
+        f"verify B={B} ms (floor) | draft B={B} ms | round B={B} ms"
+        for B in results["args"]["block_sizes"]) + " |"]
+    for r in results["ours"]:
+        cells = [str(r["batch"]), f"{r['prefill_tok_per_s']:.0f}",
+                 f"{r['decode_ms']:.2f} ({r['decode_floor_ms']:.2f})"]
+        for B in results["args"]["block_sizes"]:
+            cells += [f"{r[f'verify_B{B}_ms']:.2f} ({r[f'verify_B{B}_floor_ms']:.2f})",
+                      f"{r[f'draft_B{B}_ms']:.2f}", f"{r[f'round_B{B}_ms']:.2f}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--random-weights", action="store_true")
+    src.add_argument("--model", help="target checkpoint directory")
+    p.add_argument("--draft-model", help="draft checkpoint (with --model)")
+    p.add_argument("--preset", default="qwen3.5-35b-a3b", help="with --random-weights")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--taus", type=float, nargs="+", default=[3.0, 5.0, 6.3])
+    p.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    p.add_argument("--out", help="write the JSON here (rewritten after each batch size)")
+    args = p.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.random_weights:
+        raw = target_preset(args.preset)
+        target = build_target(raw, dtype, device)
+        draft = build_draft(draft_preset(args.preset), dtype, device, max(args.block_sizes))
+    else:
+        from draft.model import DFlashDraftModel
+        from target.loader import load_target
+
+        raw = None
+        target = load_target(args.model, dtype=dtype, device=device)
+        draft = DFlashDraftModel.from_pretrained(args.draft_model, dtype=dtype, device=device,
+                                                 block_size=max(args.block_sizes))
+    bw = measure_bandwidth(device, nbytes=(2 << 30) if device.type == "cuda" else (64 << 20))
+    results = {"args": vars(args), "device": torch.cuda.get_device_name(device)
+               if device.type == "cuda" else "cpu", "torch": torch.__version__,
+               "bandwidth_GBps": bw / 1e9, "ours": [], "transformers": None}
+
+    def save() -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+    for i, b in enumerate(args.batch_sizes):
+        results["ours"].append(bench_batch(target, draft, b, args, bw, device))
+        print(json.dumps(results["ours"][-1]), flush=True)
+        save()
+        if i == 0 and not args.no_baseline and raw is not None:  # early: the slow part
+            hf = transformers_twin(target, raw)
+            results["transformers"] = bench_transformers(hf, device, args.prompt_len,
+                                                         target.config.vocab_size, args)
+            del hf
+            print(json.dumps(results["transformers"]), flush=True)
+            save()
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Models with the real architecture and random weights, made on the device (no checkpoint):
+our target and draft, and transformers' `Qwen3_5MoeForCausalLM` sharing our target's tensors
+(so the baseline is the same weights at the cost of one extra copy of nothing but views)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from configs.model import TargetConfig
+from draft.config import DraftConfig
+from draft.model import DFlashDraftModel
+from target.model import Qwen3_5MoeForCausalLM
+
+
+@torch.no_grad()
+def init_random_(module: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Weights ~ N(0, std); norms at their identity (zero-centred RMSNorm weights 0, the GDN
+    output norm's plain weight 1); GDN decay parameters in their trained ranges, so the
+    recurrence neither explodes nor vanishes."""
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    for name, p in module.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("linear_attn.norm.weight"):
+            p.fill_(1.0)
+        elif "norm" in name:
+            p.zero_()
+        elif leaf == "A_log":
+            p.copy_(torch.empty_like(p, dtype=torch.float32).uniform_(0, 2.7, generator=gen))
+        elif leaf == "dt_bias":
+            p.fill_(0.0)
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
+def build_target(raw: dict, dtype: torch.dtype, device: torch.device,
+                 seed: int = 0) -> Qwen3_5MoeForCausalLM:
+    cfg = TargetConfig.from_dict(raw)
+    with torch.device(device):
+        model = Qwen3_5MoeForCausalLM(cfg, dtype=dtype)
+    init_random_(model, seed)
+    return model.eval()
+
+
+def build_draft(raw: dict, dtype: torch.dtype, device: torch.device, block_size: int,
+                seed: int = 1) -> DFlashDraftModel:
+    cfg = DraftConfig.from_dict(raw, source="preset").with_block_size(block_size)
+    model = DFlashDraftModel(cfg, dtype=dtype, device=device)
+    init_random_(model, seed)
+    return model.eval()
+
+
+def transformers_twin(ours: Qwen3_5MoeForCausalLM, raw: dict) -> nn.Module:
+    """transformers' Qwen3_5MoeForCausalLM over our tensors: built on the meta device, then every
+    parameter points at ours (the shared expert's gate/up are views of our fused weight)."""
+    from transformers import Qwen3_5MoeForCausalLM as HFModel
+    from transformers import Qwen3_5MoeTextConfig
+
+    skip = {"architectures", "full_attention_interval"}
+    hcfg = Qwen3_5MoeTextConfig(**{k: v for k, v in raw.items() if k not in skip})
+    with torch.device("meta"):
+        hf = HFModel(hcfg)
+    ours_params = dict(ours.named_parameters())
+    for name, p in list(hf.named_parameters()):
+        owner_name, leaf = name.rsplit(".", 1)
+        owner = hf.get_submodule(owner_name)
+        if ".shared_expert." in name and leaf == "weight" and (
+                owner_name.endswith(("gate_proj", "up_proj"))):
+            fused = ours_params[owner_name.rsplit(".", 1)[0] + ".gate_up_proj.weight"]
+            half = fused.shape[0] // 2
+            src = fused[:half] if owner_name.endswith("gate_proj") else fused[half:]
+        else:
+            src = ours_params[name]
+        if src.shape != p.shape:
+            raise ValueError(f"{name}: transformers {tuple(p.shape)} vs ours {tuple(src.shape)}")
+        owner._parameters[leaf] = nn.Parameter(src, requires_grad=False)
+    device = next(ours.parameters()).device
+    with torch.device(device):  # its inv_freq buffers are computed, not loaded
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(hcfg)
+    for name, b in hf.named_buffers():
+        if b.is_meta:
+            raise ValueError(f"transformers buffer {name} was left on the meta device")
+    return hf.eval()
