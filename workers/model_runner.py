@@ -111,15 +111,38 @@ class ModelRunner:
             cu = batch.cu_seqlens
             last = torch.tensor([cu[i + 1] - 1 for i in sampled], device=hidden.device)
             logits = self.model.compute_logits(hidden[last])  # [len(sampled), V]
+            argmax = logits.argmax(-1).tolist()  # one host sync for every greedy sequence
             for row, i in enumerate(sampled):
                 s = seqs[i]
                 if s.params.greedy:
-                    tok = int(logits[row].argmax().item())
+                    tok = argmax[row]
                 else:
                     probs = sampling.probs_from_logits(logits[row : row + 1], s.params)[0]
                     tok = sampling.sample(probs, self._generator(s))
                 new_tokens[i] = [tok]
         return StepOutput(new_tokens, [0] * len(seqs), batch.query_lens, aux, batch.positions)
+
+    @staticmethod
+    def _accept_greedy(seqs: list[SeqInput], batch: ForwardBatch,
+                       logits: torch.Tensor) -> dict[int, tuple[int, int]]:
+        """Greedy acceptance of every greedy sequence at once, read back with one host sync;
+        {index in seqs: (accepted, bonus)}. Rounds verify B tokens for every sequence, so the
+        blocks stack; a batch of mixed lengths leaves the rest to the per-sequence path."""
+        idx = [i for i, s in enumerate(seqs) if s.params.greedy]
+        if not idx or len({len(seqs[i].token_ids) for i in idx}) != 1:
+            return {}
+        width, cu = len(seqs[idx[0]].token_ids), batch.cu_seqlens
+        if len(idx) == len(seqs):  # the usual round: the blocks are the rows, as a view
+            ids = batch.input_ids.view(len(seqs), width)
+            block_logits = logits.view(len(seqs), width, -1)
+        else:
+            rows = torch.tensor([cu[i] for i in idx], device=logits.device)[:, None] + \
+                torch.arange(width, device=logits.device)  # [S, B]
+            ids, block_logits = batch.input_ids[rows], logits[rows]
+        # ids [S, B]: the anchor, then the drafts
+        n, bonus = sampling.accept_greedy_batch(ids[:, 1:], block_logits)
+        pairs = torch.stack([n, bonus], 1).tolist()
+        return {i: (a, b) for i, (a, b) in zip(idx, pairs, strict=True)}
 
     @torch.inference_mode()
     def verify(self, seqs: list[SeqInput]) -> StepOutput:
@@ -128,11 +151,14 @@ class ModelRunner:
         hidden, aux = self.model(batch, self.caches)
         logits = self.model.compute_logits(hidden)  # [T, V]
         cu = batch.cu_seqlens
+        greedy = self._accept_greedy(seqs, batch, logits)
         new_tokens, num_accepted, kept_rows = [], [], []
         for i, s in enumerate(seqs):
             block_logits = logits[cu[i] : cu[i + 1]]
             draft = batch.input_ids[cu[i] + 1 : cu[i + 1]]
-            if s.params.greedy:
+            if i in greedy:
+                n, bonus = greedy[i]
+            elif s.params.greedy:
                 n, bonus = sampling.accept_greedy(draft, block_logits)
             else:
                 n, bonus = sampling.accept_sampling(draft, block_logits, s.params,

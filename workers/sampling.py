@@ -39,6 +39,15 @@ def accept_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
     return n, int(pred[n].item())
 
 
+def accept_greedy_batch(drafts: torch.Tensor, logits: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_greedy for S blocks of one size, on the device (the caller reads both results
+    with one host sync). drafts [S, K]; logits [S, K+1, V] → accepted [S], bonus [S]."""
+    pred = logits.argmax(-1)  # [S, K+1]
+    n = (drafts == pred[:, :-1]).int().cumprod(1).sum(1)  # [S]
+    return n, pred.gather(1, n.unsqueeze(1)).squeeze(1)
+
+
 def accept_sampling(
     draft: torch.Tensor, logits: torch.Tensor, params: SamplingParams,
     generator: torch.Generator | None,

@@ -178,3 +178,15 @@ def test_engine_config_errors(tiny_models):
         cfg["hidden_size"] = 32
         (bad / "config.json").write_text(json.dumps(cfg))
         engine(tiny_models / "target", bad)
+
+
+def test_greedy_requests_batched_with_sampled_ones_stay_exact(demo_reference):
+    """Greedy acceptance runs batched on the device when every sequence of a round is greedy,
+    and per sequence otherwise; greedy requests sharing rounds with sampled ones must still
+    equal target-only greedy."""
+    prompts, params, want = demo_reference
+    sampled = [SamplingParams(max_tokens=20, temperature=1.0, seed=i) for i in range(4)]
+    spec = engine(DEMO / "target", DEMO / "draft", 8)
+    outs = spec.generate(prompts[:8] + prompts[:4], params[:8] + sampled)
+    assert [o.output_ids for o in outs[:8]] == want[:8]
+    assert all(len(o.output_ids) >= 1 for o in outs[8:])

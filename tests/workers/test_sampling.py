@@ -64,3 +64,20 @@ def test_rejection_sampling_emits_tokens_with_target_distribution(params):
         control[int(draft[0]) if n >= 1 else wrong] += 1
     assert _tv(counts, p0) < 0.04
     assert _tv(control, p0) > 0.1
+
+
+def test_batched_greedy_acceptance_equals_one_block_at_a_time():
+    from workers.sampling import accept_greedy, accept_greedy_batch
+
+    g = torch.Generator().manual_seed(3)
+    S, K, V = 12, 7, 11
+    logits = torch.randn(S, K + 1, V, generator=g)
+    pred = logits.argmax(-1)
+    drafts = torch.randint(0, V, (S, K), generator=g)
+    for s in range(S):  # plant prefixes of every length that match the target's argmax
+        j = s % (K + 1)
+        drafts[s, :j] = pred[s, :j]
+    n, bonus = accept_greedy_batch(drafts, logits)
+    want = [accept_greedy(drafts[s], logits[s]) for s in range(S)]
+    assert list(zip(n.tolist(), bonus.tolist(), strict=True)) == want
+    assert sorted(set(n.tolist())) == list(range(K + 1))  # every acceptance length occurred

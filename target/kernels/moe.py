@@ -1,0 +1,37 @@
+"""Routed experts as two grouped GEMMs (`torch._grouped_mm`): token-expert pairs sorted by
+expert, one GEMM over all groups for gate_up, one for down, a weighted scatter-add back. No
+Python loop over experts and no host sync (the group offsets stay on the device), so the
+shapes a step sees depend only on its token count: CUDA-graph friendly.
+
+The per-expert loop in target/layers/moe.py stays the reference (and the CPU default);
+tests/target/test_moe_kernel.py compares the two."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I];
+    topk_ids / topk_weights [T, k]. Returns [T, H] in x's dtype."""
+    num_experts, k = gate_up.shape[0], topk_ids.shape[1]
+    flat = topk_ids.flatten()  # [T·k] expert of each (token, slot) pair
+    order = flat.argsort(stable=True)  # pairs grouped by expert
+    token_of = order // k  # [T·k] token of each sorted pair
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's group
+    # [E, 2I, H] → [E, H, 2I] view: the K-major operand the grouped GEMM takes as is.
+    gu = torch._grouped_mm(x[token_of], gate_up.transpose(1, 2), offs=offs)  # [T·k, 2I]
+    gate, up = gu.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [T·k, H]
+    y = y * topk_weights.flatten()[order].unsqueeze(-1).to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+
+
+def grouped_mm_available(x: torch.Tensor) -> bool:
+    """CUDA needs sm90+ and bf16 for torch._grouped_mm; elsewhere keep the reference."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type != "cuda":
+        return False
+    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
