@@ -17,6 +17,18 @@ def gated_delta_rule(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tenso
     return gdn_torch.recurrent_gated_delta_rule(q, k, v, g, beta, state)
 
 
+def causal_conv_batched(x, conv_state, weight):
+    return gdn_torch.causal_conv_batched(x, conv_state, weight)
+
+
+def gated_delta_rule_batched(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """S sequences of the same L tokens at once: q, k, v [S, L, H, D]; g, beta [S, L, H];
+    state [S, H, Dk, Dv]. One fla call on CUDA instead of one per sequence."""
+    if q.is_cuda and _fla() is not None:
+        return _fla_call(_fla()[1], q, k, v, g, beta, state)
+    return gdn_torch.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+
+
 def replay_state(k, v, g, beta, state) -> torch.Tensor:
     # The state update does not read q; any q gives the same final state.
     _, final = gated_delta_rule(k, k, v, g, beta, state)
@@ -43,16 +55,13 @@ def _fla():
 def _fla_recurrent(q, k, v, g, beta, state):
     chunk, recurrent = _fla()
     fn = chunk if q.shape[0] > 64 else recurrent
+    o, final = _fla_call(fn, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0),
+                         beta.unsqueeze(0), state.unsqueeze(0))
+    return o[0], final[0]
+
+
+def _fla_call(fn, q, k, v, g, beta, state):
     # fla takes [B, T, H, D]; q is already scaled and L2-normalised: scale=1, no in-kernel norm.
     # g and beta must be keywords: positionally beta lands in `gk` and the output is NaN.
-    o, final = fn(
-        q.unsqueeze(0).to(v.dtype),
-        k.unsqueeze(0).to(v.dtype),
-        v.unsqueeze(0),
-        g=g.unsqueeze(0),
-        beta=beta.unsqueeze(0).to(v.dtype),
-        scale=1.0,
-        initial_state=state.unsqueeze(0).float().contiguous(),
-        output_final_state=True,
-    )
-    return o[0], final[0]
+    return fn(q.to(v.dtype), k.to(v.dtype), v, g=g, beta=beta.to(v.dtype), scale=1.0,
+              initial_state=state.float().contiguous(), output_final_state=True)

@@ -33,7 +33,23 @@ class GDNJournalEntry:
     beta: torch.Tensor  # [B, H] fp32
 
 
+@dataclass
+class GDNBlockJournal:
+    """The same for a uniform round (every sequence verifies L tokens), batched."""
+
+    slots: torch.Tensor  # [S] long, state slots
+    conv_seq: torch.Tensor  # [S, C, K-1+L]: the committed conv state, then the block's inputs
+    k: torch.Tensor  # [S, L, H, Dk]
+    v: torch.Tensor  # [S, L, H, Dv]
+    g: torch.Tensor  # [S, L, H] fp32
+    beta: torch.Tensor  # [S, L, H] fp32
+
+
 class GatedDeltaNet(nn.Module):
+    # Rounds (every sequence verifies the same L tokens) run batched; False forces the
+    # per-sequence path, which mixed batches always take (tests compare the two).
+    batched_rounds = True
+
     def __init__(self, cfg: TargetConfig, layer_idx: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.layer_idx = layer_idx
@@ -84,6 +100,11 @@ class GatedDeltaNet(nn.Module):
         conv_cache, ssm_cache = caches.conv[self.layer_idx], caches.ssm[self.layer_idx]
         weight = self.conv1d.weight[:, 0, :]
         journal = batch.journal.setdefault(self.layer_idx, [])
+        if self.batched_rounds and all(batch.is_verify) and len(set(batch.query_lens)) == 1:
+            o = self._verify_round(mixed_qkv, g, beta, batch, conv_cache, ssm_cache, weight,
+                                   journal)
+            o = self.norm(o.to(x.dtype), z).reshape(x.shape[0], -1)
+            return self.out_proj(o)
         cu = batch.cu_seqlens
         outs = []
         for s in range(batch.num_seqs):
@@ -101,20 +122,42 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o, z).reshape(x.shape[0], -1)
         return self.out_proj(o)
 
+    def _verify_round(self, mixed_qkv, g, beta, batch, conv_cache, ssm_cache, weight,
+                      journal) -> torch.Tensor:
+        """Every sequence verifies L tokens: one batched conv and one batched recurrence (one
+        fla call on CUDA) instead of a loop over sequences. Reads the committed states, writes
+        nothing; journals the block for `commit`. Returns o [S·L, H, Dv]."""
+        n_seqs, width = batch.num_seqs, batch.query_lens[0]
+        slots = torch.tensor(batch.state_slots, device=mixed_qkv.device)
+        x = mixed_qkv.view(n_seqs, width, -1)  # [S, L, C]
+        conv_out, conv_seq = gdn.causal_conv_batched(x, conv_cache[slots], weight)
+        q, k, v = self._split_heads(conv_out)  # [S, L, H, D]
+        g, beta = g.view(n_seqs, width, -1), beta.view(n_seqs, width, -1)
+        o, _ = gdn.gated_delta_rule_batched(q, k, v, g, beta, ssm_cache[slots])
+        journal.append(GDNBlockJournal(slots, conv_seq, k, v, g, beta))
+        return o.reshape(n_seqs * width, *o.shape[2:])
+
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # conv_out [..., C] → q, k [..., Hv, Dk] (normalised, q scaled, key heads expanded to
+        # the value heads), v [..., Hv, Dv]
         q, k, v = torch.split(conv_out, self.local_segments, dim=-1)
-        q = q.reshape(-1, self.num_k_heads, self.head_k_dim).float()
-        k = k.reshape(-1, self.num_k_heads, self.head_k_dim).float()
-        v = v.reshape(-1, self.num_v_heads, self.head_v_dim)
+        lead = conv_out.shape[:-1]
+        q = q.reshape(*lead, self.num_k_heads, self.head_k_dim).float()
+        k = k.reshape(*lead, self.num_k_heads, self.head_k_dim).float()
+        v = v.reshape(*lead, self.num_v_heads, self.head_v_dim)
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * self.head_k_dim**-0.5
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         ratio = self.num_v_heads // self.num_k_heads  # value head j reads key head j // ratio
-        return q.repeat_interleave(ratio, 1), k.repeat_interleave(ratio, 1), v
+        return q.repeat_interleave(ratio, -2), k.repeat_interleave(ratio, -2), v
 
     def commit(self, batch: ForwardBatch, caches: TargetCaches, num_kept: list[int]) -> None:
         """Advance each verify sequence's committed state over the first num_kept tokens."""
         conv_cache, ssm_cache = caches.conv[self.layer_idx], caches.ssm[self.layer_idx]
-        entries = iter(batch.journal.get(self.layer_idx, []))
+        entries = batch.journal.get(self.layer_idx, [])
+        if entries and isinstance(entries[0], GDNBlockJournal):
+            self._commit_round(entries[0], conv_cache, ssm_cache, num_kept)
+            return
+        entries = iter(entries)
         kept = iter(num_kept)
         for s in range(batch.num_seqs):
             if not batch.is_verify[s]:
@@ -127,3 +170,20 @@ class GatedDeltaNet(nn.Module):
             conv_cache[slot] = seq[:, seq.shape[1] - width :]
             ssm_cache[slot] = gdn.replay_state(e.k[:n], e.v[:n], e.g[:n], e.beta[:n],
                                                ssm_cache[slot])
+
+    @staticmethod
+    def _commit_round(e: GDNBlockJournal, conv_cache, ssm_cache, num_kept: list[int]) -> None:
+        """Batched commit: sequence i keeps its first n_i block tokens. The replay runs all L
+        steps for everyone with g = β = 0 past n_i, which leaves a state exactly unchanged; the
+        conv state is the K−1 inputs ending at n_i: conv_seq[:, :, n_i : n_i + K−1]."""
+        n_seqs, width = e.g.shape[:2]
+        n = torch.tensor(num_kept, device=e.g.device)  # [S]
+        keep = torch.arange(width, device=e.g.device)[None, :] < n[:, None]  # [S, L]
+        g = e.g.masked_fill(~keep[..., None], 0.0)
+        beta = e.beta.masked_fill(~keep[..., None], 0.0)
+        _, state = gdn.gated_delta_rule_batched(e.k, e.k, e.v, g, beta, ssm_cache[e.slots])
+        ssm_cache[e.slots] = state.to(ssm_cache.dtype)
+        k_1 = conv_cache.shape[-1]
+        cols = n[:, None] + torch.arange(k_1, device=n.device)[None, :]  # [S, K-1]
+        idx = cols[:, None, :].expand(n_seqs, e.conv_seq.shape[1], k_1)
+        conv_cache[e.slots] = e.conv_seq.gather(2, idx).to(conv_cache.dtype)
