@@ -55,7 +55,11 @@ def gather_context(
     lens = context_lens.long()
     start = (lens - (window - 1)).clamp(min=0) if window is not None else torch.zeros_like(lens)
     span = lens - start
-    width = int(span.max()) if span.numel() else 0
+    # An upper bound of span.max() known on the host (no device sync): the table's width in
+    # positions, or the window. Callers pass tables cut to the pages in use (DraftRunner).
+    width = block_tables.shape[1] * page
+    if window is not None:
+        width = min(width, window - 1)
     offs = torch.arange(width, device=lens.device)
     valid = offs[None, :] < span[:, None]  # [S, C]
     pos = torch.where(valid, start[:, None] + offs[None, :], 0)

@@ -45,9 +45,11 @@ class DraftRunner:
     def propose(self, anchors: list[int], context_lens: list[int],
                 block_tables: list[list[int]]) -> torch.Tensor:
         """Returns [S, B−1] proposed tokens (argmax at every temperature)."""
-        width = max(len(t) for t in block_tables)
+        # Only the pages holding context: their count bounds the attention's gather width.
+        width = max(1, -(-max(context_lens) // self.page_size))
         tables = torch.zeros(len(anchors), width, dtype=torch.int32)
         for i, t in enumerate(block_tables):
+            t = t[:width]
             tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         return self.model.propose(
             torch.tensor(anchors, dtype=torch.long, device=self.device),
