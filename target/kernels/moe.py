@@ -20,7 +20,9 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     flat = topk_ids.flatten()  # [T·k] expert of each (token, slot) pair
     order = flat.argsort(stable=True)  # pairs grouped by expert
     token_of = order // k  # [T·k] token of each sorted pair
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E] pairs per expert. Not bincount: on CUDA it reads the max back to size its output.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's group
     # [E, 2I, H] → [E, H, 2I] view: the K-major operand the grouped GEMM takes as is.
     gu = torch._grouped_mm(x[token_of], gate_up.transpose(1, 2), offs=offs)  # [T·k, 2I]
