@@ -26,6 +26,9 @@ from bench.random_model import build_draft, build_target, transformers_twin
 from configs.engine import SamplingParams
 from configs.presets import draft_preset, target_preset
 from draft.proposer import DraftRunner
+from target.layers.attention import GatedAttention
+from target.layers.gdn import GatedDeltaNet
+from target.layers.moe import FusedExperts
 from workers.cache import allocate_target_caches
 from workers.model_runner import ModelRunner, SeqInput
 
@@ -177,7 +180,14 @@ def main() -> None:
     p.add_argument("--taus", type=float, nargs="+", default=[3.0, 5.0, 6.3])
     p.add_argument("--no-baseline", action="store_true", help="skip transformers")
     p.add_argument("--out", help="write the JSON here (rewritten after each batch size)")
+    # Kernel choices, to measure each fast path against the reference in the same build.
+    p.add_argument("--attention", choices=["reference", "flex"], default="reference",
+                   help="uniform rounds through FlexAttention over the paged cache")
+    p.add_argument("--moe", choices=["auto", "reference", "grouped"], default="auto")
+    p.add_argument("--gdn-rounds", choices=["batched", "per-seq"], default="batched")
     args = p.parse_args()
+    GatedAttention.flex_rounds = args.attention == "flex"
+    GatedDeltaNet.batched_rounds = args.gdn_rounds == "batched"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.random_weights:
         raw = target_preset(args.preset)
@@ -191,6 +201,9 @@ def main() -> None:
         target = load_target(args.model, dtype=dtype, device=device)
         draft = DFlashDraftModel.from_pretrained(args.draft_model, dtype=dtype, device=device,
                                                  block_size=max(args.block_sizes))
+    for m in target.modules():
+        if isinstance(m, FusedExperts):
+            m.grouped = {"auto": None, "reference": False, "grouped": True}[args.moe]
     bw = measure_bandwidth(device, nbytes=(2 << 30) if device.type == "cuda" else (64 << 20))
     results = {"args": vars(args), "device": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu", "torch": torch.__version__,

@@ -17,3 +17,8 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/target tests/w
 timeout 420 python3 -m bench.engine --random-weights --preset qwen3.5-35b-a3b --device cuda \
   --batch-sizes 1 8 32 --block-sizes 8 16 --prompt-len 512 --iters 5 --warmup 2 \
   --out "$OUT/engine.json" "$@" 2>&1 | grep -v "falling back" | tail -8 | tee "$OUT/engine.txt"
+# The same with FlexAttention for rounds (opt-in until this comparison picks it).
+timeout 360 python3 -m bench.engine --random-weights --preset qwen3.5-35b-a3b --device cuda \
+  --batch-sizes 1 8 32 --block-sizes 16 --prompt-len 512 --iters 5 --warmup 2 --no-baseline \
+  --attention flex --out "$OUT/engine_flex.json" 2>&1 | grep -v "falling back" | tail -6 \
+  | tee "$OUT/engine_flex.txt"

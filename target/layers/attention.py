@@ -14,12 +14,17 @@ from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
 from target.kernels import attention as attn_kernels
+from target.kernels.attention_flex import paged_attention_round
 from target.layers.linear import ColumnParallelLinear, RowParallelLinear
 from target.layers.norm import RMSNorm
 from target.layers.rotary import RotaryEmbedding
 
 
 class GatedAttention(nn.Module):
+    # Uniform batches (every sequence queries the same count: rounds) through FlexAttention
+    # over the paged cache (target/kernels/attention_flex.py); off until measured on the GPU.
+    flex_rounds = False
+
     def __init__(self, cfg: TargetConfig, layer_idx: int, tp: TPGroup, dtype: torch.dtype,
                  rotary: RotaryEmbedding):
         super().__init__()
@@ -49,7 +54,12 @@ class GatedAttention(nn.Module):
         q, k = self.rotary(batch.positions, q, k)
         k_cache, v_cache = caches.kv[self.layer_idx]
         attn_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = attn_kernels.paged_attention(q, k_cache, v_cache, batch.query_lens, batch.seq_lens,
-                                         batch.block_tables, self.scale)
+        if self.flex_rounds and len(set(batch.query_lens)) == 1:
+            seq_lens = torch.tensor(batch.seq_lens, device=q.device)
+            o = paged_attention_round(q, k_cache, v_cache, seq_lens, batch.block_tables,
+                                      self.scale)
+        else:
+            o = attn_kernels.paged_attention(q, k_cache, v_cache, batch.query_lens,
+                                             batch.seq_lens, batch.block_tables, self.scale)
         o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o)

@@ -1,0 +1,64 @@
+"""Paged attention for a uniform round (S sequences × B query tokens) through FlexAttention:
+one call over the cache in place — no per-sequence loop, no gathered copy of the context. The
+BlockMask lists each sequence's pages (block-sparse over the physical cache, page = KV block)
+and its mask_mod maps a physical slot back to the sequence's logical position for causality.
+
+Opt-in (`GatedAttention.flex_rounds`, `bench/engine.py --attention flex`) until measured on
+the GPU against the reference: on CUDA the call is compiled (the fused Triton kernel); on CPU
+it runs eagerly (it materialises scores: correctness only)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+_compiled = None
+
+
+def _flex(device: torch.device):
+    global _compiled
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+def paged_attention_round(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """q [S·B, Hq, D], the last B positions of each sequence (their K/V already stored);
+    k_cache/v_cache [NB, page, Hkv, D]; seq_lens [S] (context incl. the B new tokens, on q's
+    device); block_tables [S, P] int32. Causal. Returns [S·B, Hq, D]."""
+    num_blocks, page, kv_heads, dim = k_cache.shape
+    n_seqs, width = block_tables.shape
+    block, heads, dev = q.shape[0] // n_seqs, q.shape[1], q.device
+    k = k_cache.view(1, num_blocks * page, kv_heads, dim).transpose(1, 2)  # [1, Hkv, NB·page, D]
+    v = v_cache.view(1, num_blocks * page, kv_heads, dim).transpose(1, 2)
+    qq = q.view(n_seqs, block, heads, dim).transpose(1, 2)  # [S, Hq, B, D]
+    n_pages = (seq_lens + page - 1) // page  # [S]
+    valid = torch.arange(width, device=dev)[None, :] < n_pages[:, None]  # [S, P]
+    # physical page → its logical index in sequence s, −1 where not s's (column NB: a sink for
+    # the unused table entries, which may hold any page id)
+    phys = torch.where(valid, block_tables.long(), num_blocks)
+    logical = torch.full((n_seqs, num_blocks + 1), -1, dtype=torch.long, device=dev)
+    logical.scatter_(1, phys, torch.arange(width, device=dev).expand(n_seqs, width).clone())
+    logical[:, num_blocks] = -1
+    first_q = seq_lens - block  # [S] position of each sequence's first query
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        lp = logical[b, kv_idx // page]
+        return (lp >= 0) & (lp * page + kv_idx % page <= first_q[b] + q_idx)
+
+    indices = torch.zeros(n_seqs, num_blocks, dtype=torch.int32, device=dev)
+    indices[:, :width] = block_tables
+    mask = BlockMask.from_kv_blocks(n_pages.int()[:, None, None], indices[:, None, None],
+                                    BLOCK_SIZE=(128, page), mask_mod=mask_mod,
+                                    seq_lengths=(block, num_blocks * page))
+    with warnings.catch_warnings():  # eager (CPU) flex warns that it is unfused: we know
+        warnings.simplefilter("ignore", UserWarning)
+        out = _flex(dev)(qq, k.to(q.dtype), v.to(q.dtype), block_mask=mask, scale=scale,
+                         enable_gqa=True)
+    return out.transpose(1, 2).reshape(n_seqs * block, heads, dim)

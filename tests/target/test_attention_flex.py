@@ -1,0 +1,68 @@
+"""FlexAttention over the paged cache for uniform rounds = the per-sequence reference: pages
+interleaved and shuffled, sequences at different lengths (partial last pages), GQA, B = 1
+(decode) and B > 1 (verify); inside the model, verify logits are unchanged by switching it on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from target_harness import TargetHarness
+
+from target.kernels.attention import paged_attention
+from target.kernels.attention_flex import paged_attention_round
+from target.layers.attention import GatedAttention
+
+
+def case(block: int, device: str, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks, page, kv_heads, dim, heads = 64, 4, 2, 16, 4
+    k_cache = torch.randn(num_blocks, page, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_blocks, page, kv_heads, dim, generator=g)
+    lens = [block + 4, block + 13, block]  # context incl. the block; partial last pages
+    tables = torch.zeros(len(lens), 8, dtype=torch.int32)
+    perm, used = torch.randperm(num_blocks, generator=g), 0
+    for s, n in enumerate(lens):
+        pages = -(-n // page)
+        tables[s, :pages] = perm[used : used + pages]
+        tables[s, pages:] = perm[-1]  # junk in unused entries must not leak in
+        used += pages
+    q = torch.randn(len(lens) * block, heads, dim, generator=g)
+    to = [t.to(device, dtype) for t in (q, k_cache, v_cache)]
+    return *to, lens, tables.to(device)
+
+
+@pytest.mark.parametrize("block", [1, 5, 16])
+def test_flex_round_equals_the_reference(block):
+    q, k_cache, v_cache, lens, tables = case(block, "cpu")
+    want = paged_attention(q, k_cache, v_cache, [block] * len(lens), lens, tables, 0.25)
+    got = paged_attention_round(q, k_cache, v_cache, torch.tensor(lens), tables, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_model_verify_logits_unchanged_with_flex_rounds(tiny_models):
+    def verify_logits(flex: bool):
+        h = TargetHarness(tiny_models / "target")
+        for m in h.model.modules():
+            if isinstance(m, GatedAttention):
+                m.flex_rounds = flex
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (6, 13, 9)]
+        tables = [h.pages(64) for _ in prompts]
+        h.logits([h.seq(i, p, 0, tables[i], i) for i, p in enumerate(prompts)], verify=False)
+        blocks = [torch.randint(0, 300, (6,), generator=g).tolist() for _ in prompts]
+        return h.logits([h.seq(i, b, len(prompts[i]), tables[i], i)
+                         for i, b in enumerate(blocks)], verify=True)
+
+    for a, b in zip(verify_logits(True), verify_logits(False), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [1, 16])
+def test_compiled_flex_round_on_cuda_equals_the_reference(block):
+    q, k_cache, v_cache, lens, tables = case(block, "cuda", torch.bfloat16)
+    want = paged_attention(q.float(), k_cache.float(), v_cache.float(), [block] * len(lens),
+                           lens, tables, 0.25)
+    got = paged_attention_round(q, k_cache, v_cache, torch.tensor(lens, device="cuda"), tables,
+                                0.25)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
