@@ -14,6 +14,11 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/target tests/workers \
   tests/cluster/test_gpu_cluster.py -k "not ray" 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+for dtype in float32 bfloat16; do  # the golden invariant on CUDA, 100 prompts
+  timeout 240 python3 -m tools.golden_check --model tests/assets/tiny/target \
+    --draft-model tests/assets/tiny/draft --device cuda --dtype $dtype --num-prompts 100 \
+    --max-tokens 64 --block-size 16 --out "$OUT/golden_$dtype.json" 2>&1 | tail -12
+done
 timeout 420 python3 -m bench.engine --random-weights --preset qwen3.5-35b-a3b --device cuda \
   --batch-sizes 1 8 32 --block-sizes 8 16 --prompt-len 512 --iters 5 --warmup 2 \
   --out "$OUT/engine.json" "$@" 2>&1 | grep -v "falling back" | tail -8 | tee "$OUT/engine.txt"
