@@ -20,8 +20,19 @@ class ForwardBatch:
     # `commit_verify` replays the accepted prefix. Others (prefill) advance their state in place.
     is_verify: list[bool]
     aux_layer_ids: tuple[int, ...] = ()  # residual stream after these layers is returned
+    # Device copies of seq_lens and state_slots [S] long, for kernels that must not read host
+    # lists (batched rounds; CUDA-graph capture). Built from the lists when not given.
+    seq_lens_t: torch.Tensor | None = None
+    state_slots_t: torch.Tensor | None = None
     # Filled by the forward: per GDN layer, per verify sequence, what replay needs.
     journal: dict[int, list] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        dev = self.input_ids.device
+        if self.seq_lens_t is None:
+            self.seq_lens_t = torch.tensor(self.seq_lens, dtype=torch.long, device=dev)
+        if self.state_slots_t is None:
+            self.state_slots_t = torch.tensor(self.state_slots, dtype=torch.long, device=dev)
 
     @property
     def num_seqs(self) -> int:

@@ -55,9 +55,8 @@ class GatedAttention(nn.Module):
         k_cache, v_cache = caches.kv[self.layer_idx]
         attn_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if self.flex_rounds and len(set(batch.query_lens)) == 1:
-            seq_lens = torch.tensor(batch.seq_lens, device=q.device)
-            o = paged_attention_round(q, k_cache, v_cache, seq_lens, batch.block_tables,
-                                      self.scale)
+            o = paged_attention_round(q, k_cache, v_cache, batch.seq_lens_t,
+                                      batch.block_tables, self.scale)
         else:
             o = attn_kernels.paged_attention(q, k_cache, v_cache, batch.query_lens,
                                              batch.seq_lens, batch.block_tables, self.scale)

@@ -128,7 +128,7 @@ class GatedDeltaNet(nn.Module):
         fla call on CUDA) instead of a loop over sequences. Reads the committed states, writes
         nothing; journals the block for `commit`. Returns o [S·L, H, Dv]."""
         n_seqs, width = batch.num_seqs, batch.query_lens[0]
-        slots = torch.tensor(batch.state_slots, device=mixed_qkv.device)
+        slots = batch.state_slots_t
         x = mixed_qkv.view(n_seqs, width, -1)  # [S, L, C]
         conv_out, conv_seq = gdn.causal_conv_batched(x, conv_cache[slots], weight)
         q, k, v = self._split_heads(conv_out)  # [S, L, H, D]
@@ -177,7 +177,7 @@ class GatedDeltaNet(nn.Module):
         steps for everyone with g = β = 0 past n_i, which leaves a state exactly unchanged; the
         conv state is the K−1 inputs ending at n_i: conv_seq[:, :, n_i : n_i + K−1]."""
         n_seqs, width = e.g.shape[:2]
-        n = torch.tensor(num_kept, device=e.g.device)  # [S]
+        n = torch.as_tensor(num_kept, device=e.g.device)  # [S]; a device tensor stays put
         keep = torch.arange(width, device=e.g.device)[None, :] < n[:, None]  # [S, L]
         g = e.g.masked_fill(~keep[..., None], 0.0)
         beta = e.beta.masked_fill(~keep[..., None], 0.0)
