@@ -1,0 +1,104 @@
+"""bench/serving.py end to end against the OpenAI app in process (uvicorn on 127.0.0.1 over a
+LocalEngineClient: tiny demo target + trained draft, B = 8), so the load generator cannot rot
+between GPU runs. Counts and structure only: no timing thresholds on this box."""
+
+from __future__ import annotations
+
+import csv
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from bench import serving
+from cluster.engine import LLMEngine
+from configs.engine import EngineConfig
+from deploy.engine_client import LocalEngineClient
+from deploy.openai_api import build_app
+from deploy.tokenizer import load_tokenizer
+
+MODEL = "tiny-dflash"
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_demo):
+    target, draft = (str(p) for p in tiny_demo)
+    engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=8,
+                                    max_num_seqs=8, kv_block_size=8))
+    client = LocalEngineClient(engine, MODEL)
+    app = build_app(client, load_tokenizer(target))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.started, "uvicorn did not start"
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    srv.should_exit = True
+    thread.join(timeout=30)
+    client.close()
+    sock.close()
+
+
+def test_itl_splits_a_multi_token_chunk_evenly():
+    r = serving.RequestResult()
+    r.add_chunk(0.5, 1)  # TTFT
+    r.add_chunk(0.9, 4)  # one speculative round: 4 tokens after 0.4 s
+    r.add_chunk(1.0, 0)  # a chunk without tokens (role, held-back text) is no token
+    r.add_chunk(1.1, 1)  # the gap runs from the last token, not the last chunk
+    assert r.ttft_s == 0.5 and r.output_tokens == 6 and r.chunks == 3
+    assert r.itl_s == pytest.approx([0.1] * 4 + [0.2])
+
+
+def test_synthetic_run_reports_every_level(base_url, tmp_path):
+    n, out_len = 6, 12
+    report = serving.main(["--base-url", base_url, "--concurrency", "1", "4",
+                           "--num-prompts", str(n), "--prompt-len", "24",
+                           "--output-len", str(out_len), "--out-dir", str(tmp_path)])
+    assert report["model"] == MODEL and report["command"].startswith("python -m bench.serving")
+    for name in ("serving.csv", "serving.json", "serving.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    rows = list(csv.DictReader((tmp_path / "serving.csv").open()))
+    assert [int(r["concurrency"]) for r in rows] == [1, 4]
+    saved = json.loads((tmp_path / "serving.json").read_text())
+    assert saved["command"] == report["command"] and len(saved["levels"]) == 2
+    for level in saved["levels"]:
+        s, spec = level["summary"], level["summary"]["spec"]
+        assert (s["requests"], s["errors"], s["output_tokens"]) == (n, 0, n * out_len)
+        assert s["ttft_ms_p50"] > 0 and s["itl_ms_p50"] > 0 and s["e2e_ms_p90"] > 0
+        assert s["mean_prompt_tokens"] > 0 and s["output_throughput"] > 0
+        # the deltas belong to this level: rounds commit every output token but the prefill's
+        # first, plus what the last round of each request committed past max_tokens (< B)
+        assert spec["acceptance_length"] >= 1
+        assert n * (out_len - 1) <= spec["committed_tokens"] < n * (out_len - 1 + 8)
+        assert spec["draft_ms_per_round"] > 0 and spec["verify_ms_per_round"] > 0
+        assert len(spec["position_acceptance_rate"]) == 7  # B = 8: 7 draft positions
+        # a round commits its accepted prefix + 1, so the level's own per-position rates
+        # (rebuilt from the cumulative gauges) must add up to its acceptance length
+        rates = spec["level_position_acceptance_rate"]
+        assert len(rates) == 7 and 1 >= rates[0] >= rates[-1] >= 0
+        assert 1 + sum(rates) == pytest.approx(spec["acceptance_length"])
+        for r in level["requests"]:
+            assert r["error"] is None and r["output_tokens"] == out_len
+            assert len(r["itl_s"]) == out_len - 1  # the prefill chunk carries one token
+
+
+def test_failed_requests_are_counted_and_the_run_goes_on(base_url, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in [
+        {"prompt": "Tell me a story.", "max_tokens": 6},
+        {"prompt": "Too long an answer.", "max_tokens": 5000},  # past the 1024-token context
+        {"prompt": "Name a colour."}]) + "\n")
+    report = serving.main(["--base-url", f"{base_url}/v1", "--model", MODEL, "--chat",
+                           "--dataset", str(data), "--concurrency", "2", "--num-prompts", "3",
+                           "--output-len", "5", "--out-dir", str(tmp_path)])
+    (level,) = report["levels"]
+    assert (level["summary"]["errors"], level["summary"]["output_tokens"]) == (1, 11)
+    (bad,) = [r for r in level["requests"] if r["error"]]
+    assert "BadRequestError" in bad["error"] and "max_tokens" in bad["error"]
