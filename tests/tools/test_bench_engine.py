@@ -49,5 +49,26 @@ def test_bench_engine_reports_every_step_with_floors(tmp_path):
                     "verify_B4_floor_ms", "draft_B4_ms", "round_B4_ms"):
             assert x[key] > 0, key
         assert set(x["projected_speedup_B4"]) == {"3.0", "5.0", "6.3"}
+        assert x["engine_overhead_AR_ms"] > 0
+        assert all(v > 0 for v in x["engine_overhead_B4_ms"].values())
     assert r["transformers"]["decode_ms"] > 0
     assert "| batch |" in proc.stdout
+
+
+def test_engine_overhead_rounds_commit_what_the_instant_runner_accepts():
+    """The overhead bench really runs rounds: with 3 drafts accepted of B − 1 = 7 per round,
+    every sequence gains 4 tokens per step."""
+    from bench.engine_overhead import InstantDrafter, InstantRunner
+    from cluster.engine import EnginePlan, LLMEngine
+    from configs.engine import EngineConfig
+    from configs.model import TargetConfig
+
+    plan = EnginePlan(TargetConfig.from_dict(target_preset("tiny")), None, 8, 4096, 256, 1)
+    engine = LLMEngine(EngineConfig(model="(none)", max_num_seqs=4), InstantRunner(3),
+                       InstantDrafter(8), plan)
+    for i in range(4):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True), f"r{i}")
+    engine.step()  # prefill: one token each
+    outs = [engine.step() for _ in range(3)]
+    assert all(len(o.new_token_ids) == 4 for step in outs for o in step)
+    assert engine.stats.rounds == 12 and engine.stats.mean_acceptance_length == 4
