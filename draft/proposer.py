@@ -31,13 +31,16 @@ class DraftRunner:
     def write_context(self, aux: torch.Tensor, positions: torch.Tensor,
                       block_tables: list[list[int]], counts: list[int]) -> None:
         """aux [N, n_aux·H] of committed tokens, `counts[i]` of them for sequence i, in order."""
-        slots, lo = [], 0
-        pos = positions.tolist()
-        for table, n in zip(block_tables, counts, strict=True):
-            slots += [table[p // self.page_size] * self.page_size + p % self.page_size
-                      for p in pos[lo : lo + n]]
-            lo += n
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        # Tensor ops on the host copy of the positions, not per-token Python (prefill chunks).
+        pos = positions.cpu().long()  # [N]
+        width = max(len(t) for t in block_tables)
+        tables = torch.zeros(len(block_tables), width, dtype=torch.long)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        seq_of = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        page = self.page_size
+        slots = tables[seq_of, pos // page] * page + pos % page
+        slot_mapping = slots.to(self.device)
         self.model.write_context(aux.to(self.device), positions.to(self.device), slot_mapping,
                                  self.kv_cache)
 

@@ -70,25 +70,28 @@ class ModelRunner:
         self.generators.pop(seq_id, None)
 
     def _batch(self, seqs: list[SeqInput], is_verify: bool) -> ForwardBatch:
-        ids, pos, slots = [], [], []
-        for s in seqs:
-            n = len(s.token_ids)
-            ids += s.token_ids
-            p = list(range(s.start_pos, s.start_pos + n))
-            pos += p
-            slots += [s.block_table[i // self.block_size] * self.block_size + i % self.block_size
-                      for i in p]
+        # Built with CPU tensor ops, not per-token Python (a prefill step holds thousands of
+        # tokens), then copied to the device once per tensor.
+        page = self.block_size
         width = max(len(s.block_table) for s in seqs)
         tables = torch.zeros(len(seqs), width, dtype=torch.int32)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        query_lens = [len(s.token_ids) for s in seqs]
+        lens = torch.tensor(query_lens)
+        seq_of = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [T]
+        first = torch.cumsum(lens, 0) - lens  # [S] index of each sequence's first token
+        starts = torch.tensor([s.start_pos for s in seqs])
+        pos = starts[seq_of] + torch.arange(int(lens.sum())) - first[seq_of]  # [T]
+        slots = tables[seq_of, pos // page].long() * page + pos % page  # [T]
+        ids = [t for s in seqs for t in s.token_ids]
         dev = self.device
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            query_lens=[len(s.token_ids) for s in seqs],
+            positions=pos.to(dev),
+            query_lens=query_lens,
             seq_lens=[s.start_pos + len(s.token_ids) for s in seqs],
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slots.to(dev),
             block_tables=tables.to(dev),
             state_slots=[s.state_slot for s in seqs],
             is_verify=[is_verify] * len(seqs),
