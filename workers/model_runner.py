@@ -114,15 +114,20 @@ class ModelRunner:
             cu = batch.cu_seqlens
             last = torch.tensor([cu[i + 1] - 1 for i in sampled], device=hidden.device)
             logits = self.model.compute_logits(hidden[last])  # [len(sampled), V]
-            argmax = logits.argmax(-1).tolist()  # one host sync for every greedy sequence
-            for row, i in enumerate(sampled):
-                s = seqs[i]
-                if s.params.greedy:
-                    tok = argmax[row]
-                else:
-                    probs = sampling.probs_from_logits(logits[row : row + 1], s.params)[0]
-                    tok = sampling.sample(probs, self._generator(s))
-                new_tokens[i] = [tok]
+            # Greedy rows take the argmax, the others an inverse-CDF sample with a uniform from
+            # their own generator; all read back with one host sync.
+            tokens = logits.argmax(-1)  # [len(sampled)]
+            rows = [row for row, i in enumerate(sampled) if not seqs[i].params.greedy]
+            if rows:
+                probs = torch.cat([sampling.probs_from_logits(logits[r : r + 1],
+                                                              seqs[sampled[r]].params)
+                                   for r in rows])
+                u = torch.cat([torch.rand(1, generator=self._generator(seqs[sampled[r]]))
+                               for r in rows])
+                picked = torch.tensor(rows, device=tokens.device)
+                tokens[picked] = sampling.sample_from(probs, u.to(probs.device))
+            for row, tok in enumerate(tokens.tolist()):
+                new_tokens[sampled[row]] = [tok]
         return StepOutput(new_tokens, [0] * len(seqs), batch.query_lens, aux, batch.positions)
 
     @staticmethod
@@ -147,6 +152,22 @@ class ModelRunner:
         pairs = torch.stack([n, bonus], 1).tolist()
         return {i: (a, b) for i, (a, b) in zip(idx, pairs, strict=True)}
 
+    def _accept_sampled(self, seqs: list[SeqInput], batch: ForwardBatch,
+                        logits: torch.Tensor) -> dict[int, tuple[int, int]]:
+        """Rejection sampling of every sampled sequence at once on the device (each with its
+        own temperature/top-k/top-p, its uniforms from its own generator), one host sync."""
+        idx = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not idx or len({len(seqs[i].token_ids) for i in idx}) != 1:
+            return {}
+        width, cu = len(seqs[idx[0]].token_ids), batch.cu_seqlens
+        probs = torch.stack([sampling.probs_from_logits(logits[cu[i] : cu[i] + width],
+                                                        seqs[i].params) for i in idx])
+        u = torch.stack([torch.rand(width, generator=self._generator(seqs[i])) for i in idx])
+        drafts = torch.stack([batch.input_ids[cu[i] + 1 : cu[i] + width] for i in idx])
+        n, token = sampling.accept_sampling_batch(drafts, probs, u.to(probs.device))
+        pairs = torch.stack([n, token], 1).tolist()
+        return {i: (a, b) for i, (a, b) in zip(idx, pairs, strict=True)}
+
     @torch.inference_mode()
     def verify(self, seqs: list[SeqInput]) -> StepOutput:
         """Each seq's token_ids = [anchor, d1 … dK]. Accept, then commit anchor + accepted."""
@@ -154,13 +175,14 @@ class ModelRunner:
         hidden, aux = self.model(batch, self.caches)
         logits = self.model.compute_logits(hidden)  # [T, V]
         cu = batch.cu_seqlens
-        greedy = self._accept_greedy(seqs, batch, logits)
+        decided = self._accept_greedy(seqs, batch, logits)
+        decided.update(self._accept_sampled(seqs, batch, logits))
         new_tokens, num_accepted, kept_rows = [], [], []
         for i, s in enumerate(seqs):
             block_logits = logits[cu[i] : cu[i + 1]]
             draft = batch.input_ids[cu[i] + 1 : cu[i + 1]]
-            if i in greedy:
-                n, bonus = greedy[i]
+            if i in decided:
+                n, bonus = decided[i]
             elif s.params.greedy:
                 n, bonus = sampling.accept_greedy(draft, block_logits)
             else:

@@ -67,3 +67,34 @@ def accept_sampling(
     residual = probs[n].clone()
     residual[draft[n]] = 0.0
     return n, sample(residual / residual.sum(), generator)
+
+
+# ---- batched on the device: one host sync per step, uniforms from per-request generators ----
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling on probs' device: row i gives token j with probability
+    probs[i, j] / Σ probs[i] (rows need not be normalised); u [N] uniforms in [0, 1).
+    Zero-probability tokens are never returned. → [N] long."""
+    cdf = probs.float().cumsum(-1)  # [N, V]
+    x = u.to(cdf) * cdf[:, -1]
+    idx = torch.searchsorted(cdf, x.unsqueeze(-1), right=True).squeeze(-1)  # first cdf > x
+    # rounding can put x on the total: fall back to the last token with mass
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+    return torch.minimum(idx, last)
+
+
+def accept_sampling_batch(drafts: torch.Tensor, probs: torch.Tensor,
+                          u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept_sampling for S blocks at once. drafts [S, K]; probs [S, K+1, V] (each sequence's
+    own temperature/top-k/top-p applied); u [S, K+1] uniforms: K for the accept tests, one for
+    the residual or bonus sample. → accepted [S], emitted token [S]."""
+    n_seqs, k = drafts.shape
+    p_draft = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [S, K]
+    n = (u[:, :k] < p_draft).int().cumprod(1).sum(1)  # [S]
+    row = probs[torch.arange(n_seqs, device=probs.device), n]  # [S, V] p at the stop
+    if k > 0:  # rejected at n < K: the residual is p_n with the draft token removed
+        d_n = drafts.gather(1, n.clamp(max=k - 1).unsqueeze(1))  # [S, 1]
+        keep = (n == k).unsqueeze(1).to(row.dtype)
+        row = row.scatter(1, d_n, row.gather(1, d_n) * keep)
+    return n, sample_from(row, u[:, k])

@@ -81,3 +81,46 @@ def test_batched_greedy_acceptance_equals_one_block_at_a_time():
     want = [accept_greedy(drafts[s], logits[s]) for s in range(S)]
     assert list(zip(n.tolist(), bonus.tolist(), strict=True)) == want
     assert sorted(set(n.tolist())) == list(range(K + 1))  # every acceptance length occurred
+
+
+def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zeros():
+    from workers.sampling import sample_from
+
+    g = torch.Generator().manual_seed(2)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    u = torch.rand(20_000, generator=g)
+    tokens = sample_from(probs.expand(20_000, -1), u)
+    counts = torch.bincount(tokens, minlength=6).float()
+    assert counts[0] == counts[2] == counts[5] == 0
+    assert _tv(counts, probs) < 0.02
+    edge = sample_from(probs[None], torch.tensor([1.0 - 2**-24]))  # rounding onto the total
+    assert int(edge) == 4
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8),
+                                    SamplingParams(temperature=1.0, top_k=4, top_p=0.9)])
+def test_batched_rejection_sampling_has_the_exact_joint_law(params):
+    """The batched (device) acceptance against the exact law of (accepted count, emitted
+    token) for one block: P(n = j, token = t) from p and the draft in closed form."""
+    from workers.sampling import accept_sampling_batch
+
+    g = torch.Generator().manual_seed(3)
+    v, k, draws = 6, 2, 30_000
+    logits = torch.randn(k + 1, v, generator=g) * 1.5
+    p = probs_from_logits(logits, params)  # [K+1, V]
+    draft = torch.tensor([int(p[0].argmax()), int(p[1].argsort()[-2])])
+    exact = torch.zeros(k + 1, v)  # [n, token]
+    reach = 1.0
+    for j in range(k + 1):
+        if j < k:
+            res = p[j].clone()
+            res[draft[j]] = 0
+            exact[j] = reach * (res / res.sum()) * (1 - p[j, draft[j]]) if res.sum() > 0 else 0
+            reach *= float(p[j, draft[j]])
+        else:
+            exact[j] = reach * p[j]
+    n, tok = accept_sampling_batch(draft.expand(draws, -1), p.expand(draws, -1, -1),
+                                   torch.rand(draws, k + 1, generator=g))
+    counts = torch.zeros(k + 1, v)
+    counts.index_put_((n, tok), torch.ones(draws), accumulate=True)
+    assert 0.5 * (counts / draws - exact).abs().sum() < 0.02
