@@ -99,8 +99,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
     args = p.parse_args()
+    # Two engines share one device: fixed pools (a measured one would take the whole GPU).
+    pages = -(-(args.prompt_len[1] + args.max_tokens + 65) // 16)
     common = {"model": args.model, "device": args.device, "dtype": args.dtype,
-              "max_num_seqs": args.max_num_seqs}
+              "max_num_seqs": args.max_num_seqs, "kv_block_size": 16,
+              "num_kv_blocks": args.max_num_seqs * pages}
     spec = LLMEngine(EngineConfig(draft_model=args.draft_model, block_size=args.block_size,
                                   **common))
     ref = LLMEngine(EngineConfig(**common))
