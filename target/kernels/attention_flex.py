@@ -59,6 +59,9 @@ def paged_attention_round(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                     seq_lengths=(block, num_blocks * page))
     with warnings.catch_warnings():  # eager (CPU) flex warns that it is unfused: we know
         warnings.simplefilter("ignore", UserWarning)
+        # The compiled kernel skips tile configs whose BLOCK_N does not divide the sparse KV
+        # block (a page): with pages under 64 tokens, ask for page-wide tiles.
+        options = {"BLOCK_N": page} if dev.type == "cuda" and page < 64 else None
         out = _flex(dev)(qq, k.to(q.dtype), v.to(q.dtype), block_mask=mask, scale=scale,
-                         enable_gqa=True)
+                         enable_gqa=True, kernel_options=options)
     return out.transpose(1, 2).reshape(n_seqs * block, heads, dim)
