@@ -29,6 +29,7 @@ from bench.random_model import build_draft, build_target, transformers_twin
 from cluster.engine import EnginePlan
 from configs.engine import SamplingParams
 from configs.presets import draft_preset, target_preset
+from draft.model import DraftAttention
 from draft.proposer import DraftRunner
 from target.layers.attention import GatedAttention
 from target.layers.gdn import GatedDeltaNet
@@ -196,10 +197,13 @@ def main() -> None:
     # Kernel choices, to measure each fast path against the reference in the same build.
     p.add_argument("--attention", choices=["reference", "flex"], default="reference",
                    help="uniform rounds through FlexAttention over the paged cache")
+    p.add_argument("--draft-attention", choices=["reference", "flex"], default="reference",
+                   help="draft blocks through FlexAttention over the paged cache")
     p.add_argument("--moe", choices=["auto", "reference", "grouped"], default="auto")
     p.add_argument("--gdn-rounds", choices=["batched", "per-seq"], default="batched")
     args = p.parse_args()
     GatedAttention.flex_rounds = args.attention == "flex"
+    DraftAttention.flex_blocks = args.draft_attention == "flex"
     GatedDeltaNet.batched_rounds = args.gdn_rounds == "batched"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.random_weights:

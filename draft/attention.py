@@ -129,3 +129,42 @@ def paged_block_attention(
         v = v.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(num_seqs, block_len, *q.shape[2:])
+
+
+def paged_block_attention_flex(
+    q: Tensor,
+    k_block: Tensor,
+    v_block: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    *,
+    is_causal: bool,
+    window: int | None,
+    scale: float,
+) -> Tensor:
+    """paged_block_attention through FlexAttention over the cache in place: the block's K/V
+    are written into the sequence's own slots at L_s … L_s+B−1 first (the draft pages there are
+    rewritten by the context write of whatever gets committed, and never read as context
+    before), so context and block are one paged key range. q [S, B, Hq, D] -> [S, B, Hq, D]."""
+    from target.kernels.attention_flex import paged_flex
+
+    page, block_len = k_cache.shape[1], q.shape[1]
+    lens = context_lens.long()
+    pos = lens[:, None] + torch.arange(block_len, device=q.device)  # [S, B]
+    slots = block_tables.long().gather(1, pos // page) * page + pos % page
+    write_kv(k_block.flatten(0, 1), v_block.flatten(0, 1), k_cache, v_cache, slots.flatten())
+
+    def visible(b, q_idx, key_pos):
+        q_pos = lens[b] + q_idx
+        ok = key_pos <= q_pos if is_causal else key_pos >= 0
+        if window is not None:
+            ok = ok & (q_pos - key_pos < window)
+            if not is_causal:
+                ok = ok & (key_pos - q_pos < window)
+        return ok
+
+    out = paged_flex(q.transpose(1, 2), k_cache, v_cache, block_tables, lens + block_len,
+                     visible, scale)
+    return out.transpose(1, 2)

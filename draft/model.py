@@ -17,7 +17,14 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from draft.attention import apply_rope, paged_block_attention, rope_cos_sin, rope_inv_freq, write_kv
+from draft.attention import (
+    apply_rope,
+    paged_block_attention,
+    paged_block_attention_flex,
+    rope_cos_sin,
+    rope_inv_freq,
+    write_kv,
+)
 from draft.config import DraftConfig
 
 KVCache = list[tuple[Tensor, Tensor]]  # per draft layer (k_cache, v_cache)
@@ -49,6 +56,10 @@ class DraftMLP(nn.Module):
 
 
 class DraftAttention(nn.Module):
+    # FlexAttention over the paged cache in place (block K/V written to the block's slots)
+    # instead of gathering the context; off until measured on the GPU.
+    flex_blocks = False
+
     def __init__(self, cfg: DraftConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
@@ -84,7 +95,8 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
         q = apply_rope(q, cos, sin)
         k, v = self.project_kv(x, cos, sin)
-        out = paged_block_attention(
+        attend = paged_block_attention_flex if self.flex_blocks else paged_block_attention
+        out = attend(
             q, k, v, kv[0], kv[1], block_tables, context_lens,
             is_causal=self.is_causal, window=self.window, scale=self.scale,
         )

@@ -48,8 +48,9 @@ class DraftRunner:
     def propose(self, anchors: list[int], context_lens: list[int],
                 block_tables: list[list[int]]) -> torch.Tensor:
         """Returns [S, B−1] proposed tokens (argmax at every temperature)."""
-        # Only the pages holding context: their count bounds the attention's gather width.
-        width = max(1, -(-max(context_lens) // self.page_size))
+        # Only the pages holding context and the block: their count bounds the attention's
+        # gather width (and holds the block's slots where the flex path writes its K/V).
+        width = -(-(max(context_lens) + self.block_size) // self.page_size)
         tables = torch.zeros(len(anchors), width, dtype=torch.int32)
         for i, t in enumerate(block_tables):
             t = t[:width]

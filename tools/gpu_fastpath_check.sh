@@ -25,5 +25,5 @@ timeout 420 python3 -m bench.engine --random-weights --preset qwen3.5-35b-a3b --
 # The same with FlexAttention for rounds (opt-in until this comparison picks it).
 timeout 360 python3 -m bench.engine --random-weights --preset qwen3.5-35b-a3b --device cuda \
   --batch-sizes 1 8 32 --block-sizes 16 --prompt-len 512 --iters 5 --warmup 2 --no-baseline \
-  --attention flex --out "$OUT/engine_flex.json" 2>&1 | grep -v "falling back" | tail -6 \
+  --attention flex --draft-attention flex --out "$OUT/engine_flex.json" 2>&1 | grep -v "falling back" | tail -6 \
   | tee "$OUT/engine_flex.txt"

@@ -1,7 +1,8 @@
-"""Paged attention for a uniform round (S sequences × B query tokens) through FlexAttention:
-one call over the cache in place — no per-sequence loop, no gathered copy of the context. The
-BlockMask lists each sequence's pages (block-sparse over the physical cache, page = KV block)
-and its mask_mod maps a physical slot back to the sequence's logical position for causality.
+"""Paged attention through FlexAttention: one call over the cache in place — no per-sequence
+loop, no gathered copy of the context. The BlockMask lists each sequence's pages (block-sparse
+over the physical cache, page = KV block) and its mask_mod maps a physical slot back to the
+sequence's logical position, for causality and windows. Used for the target's uniform rounds
+and the draft's blocks (draft/attention.py).
 
 Opt-in (`GatedAttention.flex_rounds`, `bench/engine.py --attention flex`) until measured on
 the GPU against the reference: on CUDA the call is compiled (the fused Triton kernel); on CPU
@@ -32,13 +33,30 @@ def paged_attention_round(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """q [S·B, Hq, D], the last B positions of each sequence (their K/V already stored);
     k_cache/v_cache [NB, page, Hkv, D]; seq_lens [S] (context incl. the B new tokens, on q's
     device); block_tables [S, P] int32. Causal. Returns [S·B, Hq, D]."""
+    n_seqs = block_tables.shape[0]
+    block, heads, dim = q.shape[0] // n_seqs, q.shape[1], q.shape[2]
+    first_q = seq_lens - block  # [S] position of each sequence's first query
+
+    def visible(b, q_idx, key_pos):
+        return key_pos <= first_q[b] + q_idx
+
+    qq = q.view(n_seqs, block, heads, dim).transpose(1, 2)  # [S, Hq, B, D]
+    out = paged_flex(qq, k_cache, v_cache, block_tables, seq_lens, visible, scale)
+    return out.transpose(1, 2).reshape(n_seqs * block, heads, dim)
+
+
+def paged_flex(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, num_keys: torch.Tensor, visible,
+               scale: float) -> torch.Tensor:
+    """q [S, Hq, Q, D] over each sequence's first num_keys[s] cached positions (its pages in
+    block_tables [S, P]), where `visible(b, q_idx, key_pos)` also holds (causality, windows).
+    The cache [NB, page, Hkv, D] is read in place. Returns [S, Hq, Q, D]."""
     num_blocks, page, kv_heads, dim = k_cache.shape
     n_seqs, width = block_tables.shape
-    block, heads, dev = q.shape[0] // n_seqs, q.shape[1], q.device
+    dev = q.device
     k = k_cache.view(1, num_blocks * page, kv_heads, dim).transpose(1, 2)  # [1, Hkv, NB·page, D]
     v = v_cache.view(1, num_blocks * page, kv_heads, dim).transpose(1, 2)
-    qq = q.view(n_seqs, block, heads, dim).transpose(1, 2)  # [S, Hq, B, D]
-    n_pages = (seq_lens + page - 1) // page  # [S]
+    n_pages = (num_keys + page - 1) // page  # [S]
     valid = torch.arange(width, device=dev)[None, :] < n_pages[:, None]  # [S, P]
     # physical page → its logical index in sequence s, −1 where not s's (column NB: a sink for
     # the unused table entries, which may hold any page id)
@@ -46,22 +64,21 @@ def paged_attention_round(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     logical = torch.full((n_seqs, num_blocks + 1), -1, dtype=torch.long, device=dev)
     logical.scatter_(1, phys, torch.arange(width, device=dev).expand(n_seqs, width).clone())
     logical[:, num_blocks] = -1
-    first_q = seq_lens - block  # [S] position of each sequence's first query
 
     def mask_mod(b, h, q_idx, kv_idx):
         lp = logical[b, kv_idx // page]
-        return (lp >= 0) & (lp * page + kv_idx % page <= first_q[b] + q_idx)
+        key_pos = lp * page + kv_idx % page
+        return (lp >= 0) & (key_pos < num_keys[b]) & visible(b, q_idx, key_pos)
 
     indices = torch.zeros(n_seqs, num_blocks, dtype=torch.int32, device=dev)
     indices[:, :width] = block_tables
     mask = BlockMask.from_kv_blocks(n_pages.int()[:, None, None], indices[:, None, None],
                                     BLOCK_SIZE=(128, page), mask_mod=mask_mod,
-                                    seq_lengths=(block, num_blocks * page))
+                                    seq_lengths=(q.shape[2], num_blocks * page))
     with warnings.catch_warnings():  # eager (CPU) flex warns that it is unfused: we know
         warnings.simplefilter("ignore", UserWarning)
         # The compiled kernel skips tile configs whose BLOCK_N does not divide the sparse KV
         # block (a page): with pages under 64 tokens, ask for page-wide tiles.
         options = {"BLOCK_N": page} if dev.type == "cuda" and page < 64 else None
-        out = _flex(dev)(qq, k.to(q.dtype), v.to(q.dtype), block_mask=mask, scale=scale,
-                         enable_gqa=True, kernel_options=options)
-    return out.transpose(1, 2).reshape(n_seqs * block, heads, dim)
+        return _flex(dev)(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, scale=scale,
+                          enable_gqa=True, kernel_options=options)
