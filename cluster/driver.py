@@ -96,6 +96,3 @@ class EngineDriver:
             await self.client.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
-
-
-__all__ = ["EngineDriver", "EngineDeadError"]

@@ -22,7 +22,6 @@ import ray
 import torch
 from ray.util.placement_group import (
     PlacementGroup,
-    get_current_placement_group,
     placement_group,
     remove_placement_group,
 )
@@ -202,8 +201,3 @@ class RayEngineCluster:
         self._kill_actors()
         if self.owns_pg:
             remove_placement_group(self.pg)
-
-
-def current_placement_group() -> PlacementGroup | None:
-    """The placement group this process runs in (a Serve replica with bundles), if any."""
-    return get_current_placement_group()

@@ -9,7 +9,6 @@ GPU bundles."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -108,9 +107,6 @@ class ServeArgs:
             kv_block_size=self.kv_block_size, num_kv_blocks=self.num_kv_blocks, seed=self.seed,
             **extra,
         )
-
-    def replace(self, **changes) -> ServeArgs:
-        return dataclasses.replace(self, **changes)
 
 
 @serve.deployment(

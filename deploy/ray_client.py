@@ -12,7 +12,11 @@ from collections.abc import AsyncIterator
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.driver import EngineDriver
@@ -25,7 +29,6 @@ from cluster.engine_types import (
 )
 from cluster.ray_executor import (
     DEFAULT_STEP_TIMEOUT_S,
-    current_placement_group,
     engine_bundles,
 )
 from configs.engine import EngineConfig, SamplingParams
@@ -62,7 +65,7 @@ class RayEngineClient:
                     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> RayEngineClient:
         """Places the driver and waits until the engine has loaded (raises what it raised)."""
         use_gpu = cfg.device.startswith("cuda") if use_gpu is None else use_gpu
-        pg = current_placement_group()
+        pg = get_current_placement_group()  # a Serve replica's own, when placed with bundles
         owns_pg = pg is None
         if owns_pg:
             pg = placement_group(engine_bundles(tp, use_gpu), strategy="STRICT_PACK")
@@ -138,12 +141,6 @@ class RayEngineClient:
 
     async def check_alive(self) -> None:
         await self._call("check_alive")
-
-    async def restarts(self) -> int:
-        return await self._call("restarts")
-
-    async def actors(self) -> dict[str, list]:
-        return await self._call("actors")
 
     async def shutdown(self) -> None:
         try:
