@@ -84,14 +84,18 @@ def block_mask(
     # query_pos [S, B], key_pos/key_valid [S, K] -> bool [S, 1, B, K] (True = attend);
     # the rule of the reference's `_attention_mask`, on absolute positions
     p, k = query_pos[:, :, None], key_pos[:, None, :]
-    visible = key_valid[:, None, :].expand(-1, query_pos.shape[1], -1)
-    if is_causal:
-        visible = visible & (k <= p)
+    return (key_valid[:, None, :] & key_visible(p, k, is_causal, window))[:, None]
+
+
+def key_visible(q_pos: Tensor, key_pos: Tensor, is_causal: bool, window: int | None) -> Tensor:
+    """Whether a query at q_pos sees a valid key at key_pos (elementwise, broadcasting): causal
+    layers see no later key, windowed ones none `window` or more away."""
+    ok = key_pos <= q_pos if is_causal else torch.ones_like(key_pos - q_pos, dtype=torch.bool)
     if window is not None:
-        visible = visible & (p - k < window)
+        ok = ok & (q_pos - key_pos < window)
         if not is_causal:
-            visible = visible & (k - p < window)
-    return visible[:, None]
+            ok = ok & (key_pos - q_pos < window)
+    return ok
 
 
 def paged_block_attention(
@@ -157,13 +161,7 @@ def paged_block_attention_flex(
     write_kv(k_block.flatten(0, 1), v_block.flatten(0, 1), k_cache, v_cache, slots.flatten())
 
     def visible(b, q_idx, key_pos):
-        q_pos = lens[b] + q_idx
-        ok = key_pos <= q_pos if is_causal else key_pos >= 0
-        if window is not None:
-            ok = ok & (q_pos - key_pos < window)
-            if not is_causal:
-                ok = ok & (key_pos - q_pos < window)
-        return ok
+        return key_visible(lens[b] + q_idx, key_pos, is_causal, window)
 
     out = paged_flex(q.transpose(1, 2), k_cache, v_cache, block_tables, lens + block_len,
                      visible, scale)
