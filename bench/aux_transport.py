@@ -23,12 +23,11 @@ import datetime
 import json
 import multiprocessing as mp
 import pickle
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from bench.timing import median_p90, sample_times
 from workers.aux_transport import AuxReceiver, make_aux_sender
 
 
@@ -65,16 +64,7 @@ def _reader(conn, device_name: str) -> None:
 
 
 def timeit(fn: Callable[[], None], iters: int, warmup: int = 5) -> dict:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t) * 1e6)
-    samples.sort()
-    return {"median_us": round(statistics.median(samples), 1),
-            "p90_us": round(samples[int(0.9 * (len(samples) - 1))], 1)}
+    return median_p90(sample_times(fn, iters, warmup)[0], "us", 1)
 
 
 def _call(conn, *msg) -> None:

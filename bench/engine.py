@@ -26,6 +26,7 @@ import torch
 from bench.engine_overhead import engine_overhead_ms
 from bench.floors import cache_bytes, measure_bandwidth, record_routing, sync, weight_bytes
 from bench.random_model import build_draft, build_target, transformers_twin
+from bench.timing import sample_times
 from cluster.engine import EnginePlan
 from configs.engine import SamplingParams
 from configs.presets import draft_preset, target_preset
@@ -42,15 +43,8 @@ GREEDY = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
 
 def timed(device: torch.device, fn, warmup: int, iters: int) -> tuple[float, object]:
     """Median milliseconds of fn() over iters after warmup calls; returns the last result."""
-    out, samples = None, []
-    for i in range(warmup + iters):
-        sync(device)
-        t = time.perf_counter()
-        out = fn()
-        sync(device)
-        if i >= warmup:
-            samples.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(samples), out
+    samples, out = sample_times(fn, iters, warmup, lambda: sync(device))
+    return statistics.median(samples) * 1e3, out
 
 
 class Batch:

@@ -11,28 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import ray
 import torch
 
+from bench.timing import median_p90, sample_times
 from cluster.ray_executor import RayEngineCluster
 from configs.engine import EngineConfig, SamplingParams
 from workers.model_runner import SeqInput
 
 
 def timeit(fn, iters: int) -> dict:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t) * 1e3)
-    samples.sort()
-    return {"median_ms": round(statistics.median(samples), 3),
-            "p90_ms": round(samples[int(0.9 * (len(samples) - 1))], 3)}
+    return median_p90(sample_times(fn, iters, warmup=3)[0], "ms", 3)
 
 
 def main() -> None:
