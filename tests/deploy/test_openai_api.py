@@ -5,8 +5,6 @@ target-only greedy decoding token for token; errors come back as OpenAI's error 
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 from pathlib import Path
 
@@ -14,8 +12,7 @@ import httpx2 as httpx
 import openai
 import pytest
 import torch
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from live_server import scrape_metrics, serve_in_thread
 
 from cluster.engine import LLMEngine
 from configs.engine import EngineConfig, SamplingParams
@@ -37,23 +34,12 @@ def server():
     client = LocalEngineClient(engine, MODEL)
     tokenizer = load_tokenizer(target)
     app = build_app(client, tokenizer)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert srv.started, "uvicorn did not start"
+    url, stop = serve_in_thread(app)
     reference = LLMEngine(EngineConfig(model=target, max_num_seqs=16))  # target only
-    yield {"url": f"http://127.0.0.1:{port}", "client": client, "tokenizer": tokenizer,
+    yield {"url": url, "client": client, "tokenizer": tokenizer,
            "reference": reference, "server": app.state.server}
-    srv.should_exit = True
-    thread.join(timeout=30)
+    stop()
     client.close()
-    sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +57,7 @@ def decode(server, ids: list[int]) -> str:
 
 
 def metrics(server) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"{server['url']}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return scrape_metrics(server["url"])
 
 
 def wait_idle(server, timeout: float = 15.0) -> dict:

@@ -15,7 +15,7 @@ import httpx2 as httpx
 import openai
 import pytest
 import ray
-from prometheus_client.parser import text_string_to_metric_families
+from live_server import scrape_metrics
 from ray import serve
 
 from cluster.engine import LLMEngine
@@ -68,9 +68,7 @@ def target_only(app, prompts: list[list[int]], max_tokens: list[int]) -> list[li
 
 
 def metrics(app) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"{app['url']}/metrics", timeout=30).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return scrape_metrics(app["url"])
 
 
 def wait_idle(app, timeout: float = 60.0) -> dict:

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
+from live_server import serve_in_thread
 
 from bench import serving
 from cluster.engine import LLMEngine
@@ -30,20 +27,10 @@ def base_url(tiny_demo):
                                     max_num_seqs=8, kv_block_size=8))
     client = LocalEngineClient(engine, MODEL)
     app = build_app(client, load_tokenizer(target))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert srv.started, "uvicorn did not start"
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv.should_exit = True
-    thread.join(timeout=30)
+    url, stop = serve_in_thread(app)
+    yield url
+    stop()
     client.close()
-    sock.close()
 
 
 def test_itl_splits_a_multi_token_chunk_evenly():

@@ -1,0 +1,40 @@
+"""Test support (on pytest's pythonpath): an ASGI app served by uvicorn on 127.0.0.1 in a
+thread, and a Prometheus scrape of its /metrics."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import httpx2 as httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def serve_in_thread(app) -> tuple[str, Callable[[], None]]:
+    """Starts `app` on a free 127.0.0.1 port; returns its base URL and a stop function."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.started, "uvicorn did not start"
+
+    def stop() -> None:
+        srv.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+def scrape_metrics(base_url: str, timeout: float = 30) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted label pairs): value}."""
+    text = httpx.get(f"{base_url}/metrics", timeout=timeout).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
