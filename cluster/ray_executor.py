@@ -4,9 +4,9 @@ TargetWorker per bundle, the DraftWorker sharing bundle 0 with rank 0 (half a GP
 methods as ModelRunner / DraftRunner, so LLMEngine drives either.
 
 Per round this costs one call per rank for verify and one call to the draft (propose); the
-draft's context write rides the same actor's queue without a wait. Aux features travel
-rank 0 → driver → draft through the object store: the CPU fallback; the shared-GPU transport
-replaces it.
+draft's context write rides the same actor's queue without a wait. Aux features go from
+rank 0 to the draft through a ring both map (workers/aux_transport.py: CUDA IPC on a shared
+GPU, shared memory on CPU); only a small `AuxRef` rides the calls through the driver.
 
 Failure handling: every wait on an actor is a `ray.wait` loop, so a dead rank surfaces as
 soon as its reply is an error (the other ranks may be stuck in a collective with it) and a

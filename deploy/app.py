@@ -52,6 +52,7 @@ class ServeArgs:
     max_num_batched_tokens: int | None = None  # prefill tokens per step; None → engine default
     kv_block_size: int = 16
     num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9  # share of each GPU for weights + activations + caches
     max_waiting: int | None = None  # requests queued for admission before 429; None → 4 × seqs
     seed: int = 0
 
@@ -105,6 +106,7 @@ class ServeArgs:
             dtype=self.dtype or ("bfloat16" if self.on_gpu else "float32"),
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             kv_block_size=self.kv_block_size, num_kv_blocks=self.num_kv_blocks, seed=self.seed,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             **extra,
         )
 

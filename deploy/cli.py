@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-model-len", type=int)
     s.add_argument("--max-num-batched-tokens", type=int)
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of each GPU for weights, activations and the KV cache")
     s.add_argument("--max-waiting", type=int,
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
@@ -153,7 +155,8 @@ def serve_forever(args: argparse.Namespace) -> int:
         speculative_num_draft_tokens=args.speculative_num_draft_tokens, device=device,
         dtype=args.dtype, served_model_name=args.served_model_name,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting)
+        max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+        gpu_memory_utilization=args.gpu_memory_utilization)
     app = build_deployment(sargs, num_replicas=args.num_replicas)  # ValueError: bad args
 
     import ray

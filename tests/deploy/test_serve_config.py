@@ -48,3 +48,9 @@ def test_serve_args_errors_name_the_field(tiny_demo):
     assert ServeArgs(model=target, speculative_dflash_block_size=8,
                      speculative_num_draft_tokens=3).block_size == 8
     assert ServeArgs(model=target, speculative_num_draft_tokens=3).block_size == 4
+
+
+def test_memory_share_reaches_the_engine(tiny_demo):
+    target, _ = map(str, tiny_demo)
+    cfg = ServeArgs.from_dict({"model": target, "gpu_memory_utilization": 0.5}).engine_config()
+    assert cfg.gpu_memory_utilization == 0.5
