@@ -36,6 +36,7 @@ from target.layers.attention import GatedAttention
 from target.layers.gdn import GatedDeltaNet
 from target.layers.moe import FusedExperts
 from workers.cache import allocate_target_caches
+from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, num_scratch_pages
 from workers.model_runner import ModelRunner, SeqInput
 
 GREEDY = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
@@ -51,10 +52,15 @@ class Batch:
     """b sequences with their caches, advanced by every verify the bench runs."""
 
     def __init__(self, target, aux_ids, b: int, prompt_len: int, max_new: int, page: int,
-                 device: torch.device):
+                 device: torch.device, cuda_graphs: bool = False):
         self.pages = -(-(prompt_len + max_new) // page)
-        caches = allocate_target_caches(target, b * self.pages, page, b, device)
-        self.runner = ModelRunner(target, caches, aux_ids, device)
+        num_blocks = b * self.pages
+        scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page) if cuda_graphs else 0
+        caches = allocate_target_caches(target, num_blocks + scratch, page, b + 1, device)
+        graphs = RoundGraphs(target, caches, aux_ids, device, b, self.pages,
+                             list(range(num_blocks, num_blocks + scratch)), b) \
+            if cuda_graphs else None
+        self.runner = ModelRunner(target, caches, aux_ids, device, graphs=graphs)
         self.tables = [list(range(i * self.pages, (i + 1) * self.pages)) for i in range(b)]
         g = torch.Generator().manual_seed(0)
         vocab = target.config.vocab_size
@@ -85,8 +91,12 @@ class Batch:
 
 def floor_ms(target, batch: Batch, step, num_tokens: int, query_len: int, bw: float) -> float:
     ctx = list(batch.num_cached)
-    with record_routing(target) as routed:
-        step()
+    graphs, batch.runner.graphs = batch.runner.graphs, None  # the hooks run only eagerly
+    try:
+        with record_routing(target) as routed:
+            step()
+    finally:
+        batch.runner.graphs = graphs
     nbytes = weight_bytes(target, routed, num_tokens) + cache_bytes(target, ctx, query_len)
     return nbytes / bw * 1e3
 
@@ -96,12 +106,14 @@ def bench_batch(target, draft, b: int, args, bw: float, device: torch.device) ->
     steps_per_kind = args.warmup + args.iters + 1
     max_new = steps_per_kind * (2 + 3 * len(args.block_sizes)) * max(args.block_sizes)
     aux_ids = tuple(draft.cfg.target_layer_ids)
-    batch = Batch(target, aux_ids, b, args.prompt_len, max_new, args.page_size, device)
+    graphs = device.type == "cuda" and not args.enforce_eager
+    batch = Batch(target, aux_ids, b, args.prompt_len, max_new, args.page_size, device, graphs)
     r: dict = {"batch": b}
     ms, out = timed(device, batch.prefill, 1, 1)
     r["prefill_ms"], r["prefill_tok_per_s"] = ms, b * args.prompt_len / ms * 1e3
     drafter = DraftRunner(draft, b * batch.pages, args.page_size, max(args.block_sizes),
-                          target.embed, target.compute_logits, device)
+                          target.embed, target.compute_logits, device,
+                          graph_max_seqs=b if graphs else 0, graph_max_pages=batch.pages)
     drafter.write_context(out.aux, out.aux_positions, batch.tables, out.num_committed)
 
     r["decode_ms"], _ = timed(device, lambda: batch.verify([[]] * b), args.warmup, args.iters)
@@ -189,14 +201,16 @@ def main() -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip transformers")
     p.add_argument("--out", help="write the JSON here (rewritten after each batch size)")
     # Kernel choices, to measure each fast path against the reference in the same build.
-    p.add_argument("--attention", choices=["reference", "flex"], default="reference",
-                   help="uniform rounds through FlexAttention over the paged cache")
+    p.add_argument("--attention", choices=["reference", "gathered", "flex"], default="reference",
+                   help="eager uniform rounds (captured ones use gathered)")
     p.add_argument("--draft-attention", choices=["reference", "flex"], default="reference",
                    help="draft blocks through FlexAttention over the paged cache")
     p.add_argument("--moe", choices=["auto", "reference", "grouped"], default="auto")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (rounds and proposals run eagerly)")
     p.add_argument("--gdn-rounds", choices=["batched", "per-seq"], default="batched")
     args = p.parse_args()
-    GatedAttention.flex_rounds = args.attention == "flex"
+    GatedAttention.round_attention = args.attention
     DraftAttention.flex_blocks = args.draft_attention == "flex"
     GatedDeltaNet.batched_rounds = args.gdn_rounds == "batched"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

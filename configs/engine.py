@@ -56,6 +56,9 @@ class EngineConfig:
     # GPU: the share of each GPU's memory the engine may hold (weights + activations + caches);
     # the KV pool gets what is left (unless num_kv_blocks is given). vLLM's name and default.
     gpu_memory_utilization: float = 0.9
+    # GPU: rounds and proposals replay CUDA graphs per batch-size bucket (workers/
+    # cuda_graphs.py); True runs every step eagerly (vLLM's name).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int)
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of each GPU for weights, activations and the KV cache")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: run every step eagerly instead of replaying CUDA graphs")
     s.add_argument("--max-waiting", type=int,
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
@@ -156,7 +158,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         dtype=args.dtype, served_model_name=args.served_model_name,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     app = build_deployment(sargs, num_replicas=args.num_replicas)  # ValueError: bad args
 
     import ray

@@ -15,6 +15,7 @@ from draft.model import DFlashDraftModel
 from draft.proposer import DraftRunner
 from target.loader import load_embedding_and_head
 from workers.aux_transport import AuxReceiver, AuxRef, AuxRingSpec
+from workers.cuda_graphs import graph_max_pages
 from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
 
 
@@ -35,9 +36,14 @@ class DraftWorker:
         self.runner: DraftRunner | None = None
         self.aux_receiver: AuxReceiver | None = None
 
-    def _runner(self, num_blocks: int) -> DraftRunner:
-        return DraftRunner(self.model, num_blocks, self.cfg.kv_block_size, self.block_size,
-                           self.embed, self.lm_head, self.device)
+    def _runner(self, num_blocks: int, graphs: bool = False) -> DraftRunner:
+        cfg = self.cfg
+        graphs = graphs and self.device.type == "cuda" and not cfg.enforce_eager
+        return DraftRunner(self.model, num_blocks, cfg.kv_block_size, self.block_size,
+                           self.embed, self.lm_head, self.device,
+                           graph_max_seqs=cfg.max_num_seqs if graphs else 0,
+                           graph_max_pages=graph_max_pages(cfg.max_model_len, num_blocks,
+                                                           cfg.kv_block_size))
 
     @torch.inference_mode()
     def profile(self) -> MemoryProfile | None:
@@ -66,7 +72,7 @@ class DraftWorker:
                              peak, per_page, 0)
 
     def allocate(self, num_kv_blocks: int) -> None:
-        self.runner = self._runner(num_kv_blocks)
+        self.runner = self._runner(num_kv_blocks, graphs=True)
 
     def open_aux(self, spec: AuxRingSpec) -> None:
         self.aux_receiver = AuxReceiver.open(spec, self.device)

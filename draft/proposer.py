@@ -9,19 +9,38 @@ from collections.abc import Callable
 import torch
 
 from draft.model import DFlashDraftModel
+from workers.cuda_graphs import (
+    MAX_GRAPH_WIDTH,
+    CapturedCall,
+    bucket_for,
+    num_scratch_pages,
+    page_bucket,
+)
 
 
 class DraftRunner:
+    """`graph_max_seqs` > 0 (CUDA): proposals replay a CUDA graph per (batch bucket, B, page
+    bucket) up to that many sequences and tables up to `graph_max_pages` wide
+    (workers/cuda_graphs.py); the cache then holds scratch pages past num_blocks for the
+    padding sequences."""
+
     def __init__(self, model: DFlashDraftModel, num_blocks: int, page_size: int, block_size: int,
                  embed: Callable[[torch.Tensor], torch.Tensor],
-                 lm_head: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str):
+                 lm_head: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str,
+                 graph_max_seqs: int = 0, graph_max_pages: int = 0):
         self.model = model
         self.page_size = page_size
         self.block_size = block_size  # B: anchor + B−1 proposed tokens
         self.embed = embed
         self.lm_head = lm_head
         self.device = torch.device(device)
-        self.kv_cache = model.allocate_kv_cache(num_blocks, page_size)
+        self.graph_max_seqs, self.graph_max_pages = graph_max_seqs, graph_max_pages
+        scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page_size) if graph_max_seqs else 0
+        self.kv_cache = model.allocate_kv_cache(num_blocks + scratch, page_size)
+        self.scratch_pages = torch.arange(num_blocks, num_blocks + scratch, dtype=torch.int32)
+        self.graphs: dict[tuple[int, int, int], CapturedCall] = {}
+        # (off CUDA: the same static buffers, run without capture)
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
     @property
     def num_draft_tokens(self) -> int:
@@ -55,8 +74,36 @@ class DraftRunner:
         for i, t in enumerate(block_tables):
             t = t[:width]
             tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        return self.model.propose(
-            torch.tensor(anchors, dtype=torch.long, device=self.device),
-            torch.tensor(context_lens, dtype=torch.long, device=self.device),
-            tables.to(self.device), self.kv_cache, self.embed, self.lm_head, self.block_size,
-        )
+        anchors_t = torch.tensor(anchors, dtype=torch.long)
+        lens_t = torch.tensor(context_lens, dtype=torch.long)
+        padded = bucket_for(len(anchors), self.graph_max_seqs) if self.graph_max_seqs else None
+        pages = page_bucket(max(width, len(self.scratch_pages)), self.graph_max_pages)
+        if padded is None or pages is None or self.block_size > MAX_GRAPH_WIDTH:
+            return self.model.propose(anchors_t.to(self.device), lens_t.to(self.device),
+                                      tables.to(self.device), self.kv_cache, self.embed,
+                                      self.lm_head, self.block_size)
+        return self._replay(padded, pages, anchors_t, lens_t, tables)[: len(anchors)].clone()
+
+    def _replay(self, padded: int, pages: int, anchors: torch.Tensor, lens: torch.Tensor,
+                tables: torch.Tensor) -> torch.Tensor:
+        # Padding sequences: anchor 0, no context, the block in the scratch pages. The wider
+        # table only adds masked keys to the attention's gather.
+        extra, n = padded - anchors.shape[0], anchors.shape[0]
+        anchors = torch.cat([anchors, torch.zeros(extra, dtype=torch.long)])
+        lens = torch.cat([lens, torch.zeros(extra, dtype=torch.long)])
+        full = torch.zeros(padded, pages, dtype=torch.int32)
+        full[:n, : tables.shape[1]] = tables
+        full[n:, : len(self.scratch_pages)] = self.scratch_pages
+        key = (padded, self.block_size, pages)
+        if key not in self.graphs:
+            static = {"anchors": anchors.to(self.device), "context_lens": lens.to(self.device),
+                      "block_tables": full.to(self.device)}
+            block = self.block_size
+
+            def propose(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+                return self.model.propose(inputs["anchors"], inputs["context_lens"],
+                                          inputs["block_tables"], self.kv_cache, self.embed,
+                                          self.lm_head, block)
+
+            self.graphs[key] = CapturedCall(propose, static, self.pool)
+        return self.graphs[key](anchors=anchors, context_lens=lens, block_tables=full)

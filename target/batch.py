@@ -12,20 +12,24 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] long, sequences concatenated
     positions: torch.Tensor  # [T] long, absolute token positions
     query_lens: list[int]  # [S] tokens of each sequence in this forward
-    seq_lens: list[int]  # [S] context length after this forward (cached + new)
+    seq_lens: list[int] | None  # [S] context length after this forward (cached + new)
     slot_mapping: torch.Tensor  # [T] long, KV-cache slot of each new token
     block_tables: torch.Tensor  # [S, max_blocks] int32, page ids of each sequence
-    state_slots: list[int]  # [S] Gated DeltaNet state slot of each sequence
+    state_slots: list[int] | None  # [S] Gated DeltaNet state slot of each sequence
     # Verify sequences leave their committed GDN state untouched and journal the block instead;
     # `commit_verify` replays the accepted prefix. Others (prefill) advance their state in place.
     is_verify: list[bool]
     aux_layer_ids: tuple[int, ...] = ()  # residual stream after these layers is returned
     # Device copies of seq_lens and state_slots [S] long, for kernels that must not read host
-    # lists (batched rounds; CUDA-graph capture). Built from the lists when not given.
+    # lists (batched rounds; CUDA-graph capture). Built from the lists when not given. A
+    # captured round (workers/cuda_graphs.py) has only these: its lists are None.
     seq_lens_t: torch.Tensor | None = None
     state_slots_t: torch.Tensor | None = None
     # Filled by the forward: per GDN layer, per verify sequence, what replay needs.
     journal: dict[int, list] = field(default_factory=dict)
+    # Built once per forward by the first attention layer, shared by the others (the
+    # FlexAttention BlockMask of a round).
+    attn_meta: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         dev = self.input_ids.device

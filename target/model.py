@@ -77,13 +77,15 @@ class Qwen3_5MoeForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def commit_verify(self, batch: ForwardBatch, caches: TargetCaches, num_kept: list[int]) -> None:
+    def commit_verify(self, batch: ForwardBatch, caches: TargetCaches,
+                      num_kept: list[int] | torch.Tensor) -> None:
         """After acceptance: advance each verify sequence's GDN state over its first
-        num_kept[i] block tokens (the anchor plus the accepted drafts)."""
+        num_kept[i] block tokens (the anchor plus the accepted drafts). The journal stays (a
+        captured round replays its commit over the same one); a device tensor num_kept is for
+        uniform rounds."""
         for layer in self.model.layers:
             if layer.is_linear:
                 layer.linear_attn.commit(batch, caches, num_kept)
-        batch.journal.clear()
 
     def cache_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-layer cache entry shapes on this rank (without the block / slot dim)."""

@@ -13,6 +13,7 @@ from target.model import Qwen3_5MoeForCausalLM
 from workers import sampling
 from workers.aux_transport import AuxRef
 from workers.cache import reset_state_slot
+from workers.cuda_graphs import RoundGraphs
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,10 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: Qwen3_5MoeForCausalLM, caches: TargetCaches,
-                 aux_layer_ids: tuple[int, ...], device: torch.device | str, seed: int = 0):
+                 aux_layer_ids: tuple[int, ...], device: torch.device | str, seed: int = 0,
+                 graphs: RoundGraphs | None = None):
         self.model = model
+        self.graphs = graphs
         self.caches = caches
         self.aux_layer_ids = aux_layer_ids
         self.device = torch.device(device)
@@ -69,33 +72,40 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
 
-    def _batch(self, seqs: list[SeqInput], is_verify: bool) -> ForwardBatch:
+    def _host_inputs(self, seqs: list[SeqInput]) -> dict[str, torch.Tensor]:
         # Built with CPU tensor ops, not per-token Python (a prefill step holds thousands of
-        # tokens), then copied to the device once per tensor.
+        # tokens); copied to the device once per tensor.
         page = self.block_size
         width = max(len(s.block_table) for s in seqs)
         tables = torch.zeros(len(seqs), width, dtype=torch.int32)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        query_lens = [len(s.token_ids) for s in seqs]
-        lens = torch.tensor(query_lens)
+        lens = torch.tensor([len(s.token_ids) for s in seqs])
         seq_of = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [T]
         first = torch.cumsum(lens, 0) - lens  # [S] index of each sequence's first token
         starts = torch.tensor([s.start_pos for s in seqs])
         pos = starts[seq_of] + torch.arange(int(lens.sum())) - first[seq_of]  # [T]
-        slots = tables[seq_of, pos // page].long() * page + pos % page  # [T]
-        ids = [t for s in seqs for t in s.token_ids]
-        dev = self.device
+        return {
+            "input_ids": torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long),
+            "positions": pos,
+            "slot_mapping": tables[seq_of, pos // page].long() * page + pos % page,
+            "block_tables": tables,
+            "seq_lens": starts + lens,
+            "state_slots": torch.tensor([s.state_slot for s in seqs]),
+        }
+
+    def _batch(self, seqs: list[SeqInput], is_verify: bool,
+               host: dict[str, torch.Tensor] | None = None) -> ForwardBatch:
+        host = self._host_inputs(seqs) if host is None else host
+        dev = {name: t.to(self.device) for name, t in host.items()}
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=pos.to(dev),
-            query_lens=query_lens,
+            input_ids=dev["input_ids"], positions=dev["positions"],
+            query_lens=[len(s.token_ids) for s in seqs],
             seq_lens=[s.start_pos + len(s.token_ids) for s in seqs],
-            slot_mapping=slots.to(dev),
-            block_tables=tables.to(dev),
-            state_slots=[s.state_slot for s in seqs],
-            is_verify=[is_verify] * len(seqs),
-            aux_layer_ids=self.aux_layer_ids,
+            slot_mapping=dev["slot_mapping"], block_tables=dev["block_tables"],
+            state_slots=[s.state_slot for s in seqs], is_verify=[is_verify] * len(seqs),
+            aux_layer_ids=self.aux_layer_ids, seq_lens_t=dev["seq_lens"],
+            state_slots_t=dev["state_slots"],
         )
 
     @torch.inference_mode()
@@ -141,8 +151,9 @@ class ModelRunner:
             return {}
         width, cu = len(seqs[idx[0]].token_ids), batch.cu_seqlens
         if len(idx) == len(seqs):  # the usual round: the blocks are the rows, as a view
-            ids = batch.input_ids.view(len(seqs), width)
-            block_logits = logits.view(len(seqs), width, -1)
+            rows = len(seqs) * width  # (a captured round has padding rows after them)
+            ids = batch.input_ids[:rows].view(len(seqs), width)
+            block_logits = logits[:rows].view(len(seqs), width, -1)
         else:
             rows = torch.tensor([cu[i] for i in idx], device=logits.device)[:, None] + \
                 torch.arange(width, device=logits.device)  # [S, B]
@@ -170,10 +181,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(self, seqs: list[SeqInput]) -> StepOutput:
-        """Each seq's token_ids = [anchor, d1 … dK]. Accept, then commit anchor + accepted."""
-        batch = self._batch(seqs, is_verify=True)
-        hidden, aux = self.model(batch, self.caches)
-        logits = self.model.compute_logits(hidden)  # [T, V]
+        """Each seq's token_ids = [anchor, d1 … dK]. Accept, then commit anchor + accepted. A
+        uniform round replays CUDA graphs where the runner has them (workers/cuda_graphs.py);
+        their outputs are padded past the real sequences, which are read by index."""
+        host = self._host_inputs(seqs)
+        width = len(seqs[0].token_ids)
+        graphs = self.graphs
+        if graphs is not None and all(len(s.token_ids) == width for s in seqs) and graphs.fits(
+                len(seqs), width, host["block_tables"].shape[1]):
+            logits, aux, batch = graphs.forward(host, len(seqs), width)
+            commit = graphs.commit
+        else:
+            batch = self._batch(seqs, True, host)
+            hidden, aux = self.model(batch, self.caches)
+            logits = self.model.compute_logits(hidden)  # [T, V]
+
+            def commit(num_kept: list[int]) -> None:
+                self.model.commit_verify(batch, self.caches, num_kept)
         cu = batch.cu_seqlens
         decided = self._accept_greedy(seqs, batch, logits)
         decided.update(self._accept_sampled(seqs, batch, logits))
@@ -191,7 +215,7 @@ class ModelRunner:
             new_tokens.append(s.token_ids[1 : n + 1] + [bonus])
             num_accepted.append(n)
             kept_rows.append(torch.arange(cu[i], cu[i] + n + 1))
-        self.model.commit_verify(batch, self.caches, [n + 1 for n in num_accepted])
+        commit([n + 1 for n in num_accepted])
         rows = torch.cat(kept_rows).to(aux.device)
         committed = [n + 1 for n in num_accepted]
         return StepOutput(new_tokens, num_accepted, committed, aux[rows], batch.positions[rows])

@@ -20,6 +20,7 @@ from target.loader import load_target
 from target.model import Qwen3_5MoeForCausalLM
 from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
 from workers.cache import allocate_target_caches, bytes_per_state_slot, bytes_per_token
+from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, graph_max_pages, num_scratch_pages
 from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
 from workers.model_runner import ModelRunner, SeqInput, StepOutput
 
@@ -99,10 +100,22 @@ class TargetWorker:
                              bytes_per_state_slot(self.model))
 
     def allocate(self, num_kv_blocks: int) -> None:
-        caches = allocate_target_caches(self.model, num_kv_blocks, self.cfg.kv_block_size,
-                                        self.cfg.max_num_seqs, self.device)
+        """Caches and runner; on CUDA (unless enforce_eager) rounds replay CUDA graphs, and the
+        caches hold scratch pages and a scratch state slot for their padding sequences."""
+        cfg, page = self.cfg, self.cfg.kv_block_size
+        graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page) if graphs else 0
+        caches = allocate_target_caches(self.model, num_kv_blocks + scratch, page,
+                                        cfg.max_num_seqs + int(graphs), self.device)
+        round_graphs = None
+        if graphs:
+            max_len = cfg.max_model_len or self.model.config.max_position_embeddings
+            round_graphs = RoundGraphs(
+                self.model, caches, self.aux_layer_ids, self.device, cfg.max_num_seqs,
+                graph_max_pages(max_len, num_kv_blocks, page),
+                list(range(num_kv_blocks, num_kv_blocks + scratch)), cfg.max_num_seqs)
         self.runner = ModelRunner(self.model, caches, self.aux_layer_ids, self.device,
-                                  self.cfg.seed)
+                                  cfg.seed, round_graphs)
 
     def prefill(self, seqs: list[SeqInput]) -> StepOutput | None:
         return self._only_rank0(self.runner.prefill(seqs))

@@ -50,3 +50,30 @@ def paged_attention(
         out[lo : lo + n_q] = o.transpose(0, 1)
         lo += n_q
     return out
+
+
+def paged_attention_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """A uniform round without host values (CUDA-graph capturable): q [S·W, Hq, D], the last W
+    positions of each sequence (seq_lens [S] include them, their K/V stored); all of
+    block_tables [S, P] is gathered (P·page keys; positions the query may not see, stale
+    pages past a sequence's end included, are masked). One SDPA over the kv heads, each
+    group's queries stacked as rows, so K/V are not repeated per query head."""
+    n_seqs, n_pages = block_tables.shape
+    _, page, kv_heads, dim = k_cache.shape
+    heads, width = q.shape[1], q.shape[0] // n_seqs
+    group, keys = heads // kv_heads, n_pages * page
+    pages = block_tables.long()
+    k = k_cache[pages].view(n_seqs, keys, kv_heads, dim).transpose(1, 2)  # [S, Hkv, C, D]
+    v = v_cache[pages].view(n_seqs, keys, kv_heads, dim).transpose(1, 2)
+    # [S, W, Hkv, G, D] → [S, Hkv, G·W, D]: row g·W + w is query w of head kv·G + g
+    qq = q.view(n_seqs, width, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    qq = qq.reshape(n_seqs, kv_heads, group * width, dim)
+    q_pos = seq_lens[:, None] - width + torch.arange(width, device=q.device)  # [S, W]
+    mask = torch.arange(keys, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [S, W, C]
+    mask = mask.repeat(1, group, 1)[:, None]  # [S, 1, G·W, C]
+    o = F.scaled_dot_product_attention(qq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                       scale=scale)
+    o = o.view(n_seqs, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4)
+    return o.reshape(n_seqs * width, heads, dim)

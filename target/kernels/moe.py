@@ -4,7 +4,7 @@ Python loop over experts and no host sync (the group offsets stay on the device)
 shapes a step sees depend only on its token count: CUDA-graph friendly.
 
 The per-expert loop in target/layers/moe.py stays the reference (and the CPU default);
-tests/target/test_moe_kernel.py compares the two."""
+tests/target/test_moe_kernel.py compares the three."""
 
 from __future__ import annotations
 
@@ -30,6 +30,21 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [T·k, H]
     y = y * topk_weights.flatten()[order].unsqueeze(-1).to(y.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+
+
+def gathered_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                     topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The same without grouped GEMMs and without a host sync: each (token, slot) pair's
+    expert weights gathered, one batched matmul per projection. Moves T·k copies of an
+    expert: for CUDA where torch._grouped_mm does not run (fp32 checks on small models) so
+    that rounds can still be captured in CUDA graphs. Same arguments as grouped_experts."""
+    tokens, k = topk_ids.shape
+    flat = topk_ids.flatten()  # [T·k]
+    xs = x.repeat_interleave(k, dim=0)  # [T·k, H]; pair p is token p // k
+    gate, up = torch.bmm(gate_up[flat], xs[:, :, None])[..., 0].chunk(2, dim=-1)  # [T·k, I]
+    y = torch.bmm(down[flat], (F.silu(gate) * up)[:, :, None])[..., 0]  # [T·k, H]
+    y = y * topk_weights.flatten()[:, None].to(y.dtype)
+    return y.view(tokens, k, -1).sum(1).to(x.dtype)
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

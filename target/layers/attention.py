@@ -14,16 +14,18 @@ from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
 from target.kernels import attention as attn_kernels
-from target.kernels.attention_flex import paged_attention_round
+from target.kernels.attention_flex import paged_attention_round, round_block_mask
 from target.layers.linear import ColumnParallelLinear, RowParallelLinear
 from target.layers.norm import RMSNorm
 from target.layers.rotary import RotaryEmbedding
 
 
 class GatedAttention(nn.Module):
-    # Uniform batches (every sequence queries the same count: rounds) through FlexAttention
-    # over the paged cache (target/kernels/attention_flex.py); off until measured on the GPU.
-    flex_rounds = False
+    # Uniform batches (every sequence queries the same count: rounds): "reference" loops over
+    # sequences (host lengths); "gathered" is one batched SDPA over the table's pages (no host
+    # values: what captured rounds use, workers/cuda_graphs.py); "flex" is FlexAttention over
+    # the paged cache in place (target/kernels/attention_flex.py; opt-in, see ARCHITECTURE).
+    round_attention = "reference"
 
     def __init__(self, cfg: TargetConfig, layer_idx: int, tp: TPGroup, dtype: torch.dtype,
                  rotary: RotaryEmbedding):
@@ -54,9 +56,17 @@ class GatedAttention(nn.Module):
         q, k = self.rotary(batch.positions, q, k)
         k_cache, v_cache = caches.kv[self.layer_idx]
         attn_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        if self.flex_rounds and len(set(batch.query_lens)) == 1:
-            o = paged_attention_round(q, k_cache, v_cache, batch.seq_lens_t,
-                                      batch.block_tables, self.scale)
+        uniform = len(set(batch.query_lens)) == 1 and all(batch.is_verify)  # a round
+        if uniform and self.round_attention == "gathered":
+            o = attn_kernels.paged_attention_gathered(q, k_cache, v_cache, batch.seq_lens_t,
+                                                      batch.block_tables, self.scale)
+        elif uniform and self.round_attention == "flex":
+            mask = batch.attn_meta.get("flex_round")
+            if mask is None:  # one per forward, for every attention layer
+                mask = batch.attn_meta["flex_round"] = round_block_mask(
+                    batch.seq_lens_t, batch.block_tables, k_cache.shape[0], k_cache.shape[1],
+                    batch.query_lens[0])
+            o = paged_attention_round(q, k_cache, v_cache, mask, self.scale)
         else:
             o = attn_kernels.paged_attention(q, k_cache, v_cache, batch.query_lens,
                                              batch.seq_lens, batch.block_tables, self.scale)

@@ -10,7 +10,7 @@ from torch import nn
 
 from configs.model import TargetConfig
 from target.distributed import TPGroup, all_reduce
-from target.kernels.moe import grouped_experts, grouped_mm_available
+from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
 from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from target.weights import WeightSource, copy_into, expect_shape
 
@@ -28,8 +28,9 @@ class FusedExperts(nn.Module):
         self.inter = i = tp.shard(cfg.moe_intermediate_size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype), False)
-        # None: grouped GEMMs where torch._grouped_mm runs fast (CUDA sm90+, bf16), else the
-        # reference loop; True/False force one (tests).
+        # None: grouped GEMMs where torch._grouped_mm runs fast (CUDA sm90+, bf16), gathered
+        # expert weights elsewhere on CUDA (no host sync: capturable), else the reference loop;
+        # True/False force grouped / the reference (tests).
         self.grouped: bool | None = None
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
@@ -64,6 +65,8 @@ class FusedExperts(nn.Module):
         # x [T, H]; topk_ids/topk_weights [T, k].
         if self.grouped if self.grouped is not None else grouped_mm_available(x):
             return grouped_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+        if self.grouped is None and x.is_cuda:
+            return gathered_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
         return self.reference(x, topk_ids, topk_weights)
 
     def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):

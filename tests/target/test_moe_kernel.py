@@ -1,13 +1,14 @@
-"""The grouped-GEMM experts equal the per-expert reference: every routing shape (one token,
-experts with no tokens, all tokens on one expert, duplicates across slots), fp32 tightly and
-bf16 at bf16 rounding; on CUDA (sm90, bf16) the path the model takes by default."""
+"""The grouped-GEMM experts (and the gathered-weights fallback) equal the per-expert
+reference: every routing shape (one token, experts with no tokens, all tokens on one expert,
+duplicates across slots), fp32 tightly and bf16 at bf16 rounding; on CUDA (sm90, bf16) the
+path the model takes by default."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from target.kernels.moe import grouped_experts, grouped_mm_available
+from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
 
 E, H, INTER, K = 8, 64, 32, 2
 
@@ -43,12 +44,13 @@ def routing(kind: str, tokens: int, g: torch.Generator):
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 @pytest.mark.parametrize("kind", ["random", "one_expert", "skewed"])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_grouped_experts_equal_the_reference(tokens, kind, dtype, tol):
+@pytest.mark.parametrize("kernel", [grouped_experts, gathered_experts])
+def test_fused_experts_equal_the_reference(tokens, kind, dtype, tol, kernel):
     g = torch.Generator().manual_seed(tokens)
     gate_up, down = weights(dtype, "cpu")
     x = torch.randn(tokens, H, generator=g).to(dtype)
     ids, w = routing(kind, tokens, g)
-    got = grouped_experts(x, gate_up, down, ids, w.to(dtype))
+    got = kernel(x, gate_up, down, ids, w.to(dtype))
     want = reference(x, gate_up, down, ids, w.to(dtype))
     assert got.dtype == dtype and got.shape == x.shape
     err = (got.double() - want).norm() / want.norm()

@@ -1,0 +1,99 @@
+"""Where a step's time goes: torch.profiler over the decode step, a verify step and the draft's
+proposal (the same steps bench/engine.py times), on the random-weight model.
+
+    python -m bench.profile_step --preset qwen3.5-35b-a3b --device cuda --batch 1 --block-size 16 \
+        --out prof.txt
+
+Per step it appends the operator table (top ops by device time, then by host time) to --out
+and prints
+wall ms, summed kernel ms and kernel launches per step: a step whose kernels add up to much
+less than its wall time is bound by the host (launches, syncs, Python), not by the GPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.engine import Batch
+from bench.floors import sync
+from bench.random_model import build_draft, build_target
+from configs.presets import draft_preset, target_preset
+from draft.model import DraftAttention
+from draft.proposer import DraftRunner
+from target.layers.attention import GatedAttention
+
+
+def profile_step(name: str, fn, device: torch.device, steps: int, out: str | None) -> dict:
+    for _ in range(2):
+        fn()
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        sync(device)
+        wall = (time.perf_counter() - t) / steps
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events
+                    if e.device_type == torch.autograd.DeviceType.CUDA) / steps
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                        "cudaLaunchKernelExC")) / steps
+    syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize",
+                                                    "cudaDeviceSynchronize")) / steps
+    row = {"step": name, "wall_ms": wall * 1e3, "kernel_ms": kernel_us / 1e3,
+           "launches": launches, "host_syncs": syncs}
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n\n")
+            f.write(events.table(sort_by="self_device_time_total", row_limit=40))
+            f.write("\n\n")
+            f.write(events.table(sort_by="self_cpu_time_total", row_limit=30))
+            f.write("\n\n")
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3.5-35b-a3b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--attention", choices=["reference", "gathered", "flex"],
+                   default="reference", help="eager rounds (captured ones use gathered)")
+    p.add_argument("--draft-attention", choices=["reference", "flex"], default="reference")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--out", help="append the operator tables to this file")
+    args = p.parse_args()
+    GatedAttention.round_attention = args.attention
+    DraftAttention.flex_blocks = args.draft_attention == "flex"
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    target = build_target(target_preset(args.preset), dtype, device)
+    draft = build_draft(draft_preset(args.preset), dtype, device, args.block_size)
+    B, b = args.block_size, args.batch
+    graphs = device.type == "cuda" and not args.enforce_eager
+    batch = Batch(target, tuple(draft.cfg.target_layer_ids), b, args.prompt_len,
+                  (2 * args.steps + 8) * 2 * B, 16, device, graphs)
+    out = batch.prefill()
+    drafter = DraftRunner(draft, b * batch.pages, 16, B, target.embed, target.compute_logits,
+                          device, graph_max_seqs=b if graphs else 0, graph_max_pages=batch.pages)
+    drafter.write_context(out.aux, out.aux_positions, batch.tables, out.num_committed)
+    steps = {
+        "decode": lambda: batch.verify([[]] * b),
+        f"verify_B{B}": lambda: batch.verify(batch.random_drafts(B - 1)),
+        f"draft_B{B}": lambda: drafter.propose(batch.anchors, batch.num_cached, batch.tables),
+    }
+    for name, fn in steps.items():
+        print(json.dumps(profile_step(f"{name}_b{b}", fn, device, args.steps, args.out)),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

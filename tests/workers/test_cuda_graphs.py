@@ -1,0 +1,134 @@
+"""The CUDA-graph runners' own logic — bucket padding with dummy sequences in scratch pages and
+a scratch state slot, static buffers filled by prefix copy, the commit over the captured
+journal — equals the eager path. Off CUDA the "graphs" run their function on the static
+buffers instead of replaying, so all of it is checked on CPU; the `gpu` cases capture and
+replay for real (fp32: the same tokens as the eager reference path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from configs.engine import SamplingParams
+from draft.model import DFlashDraftModel
+from draft.proposer import DraftRunner
+from target.loader import load_target
+from workers.cache import allocate_target_caches
+from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, bucket_for, num_scratch_pages
+from workers.model_runner import ModelRunner, SeqInput
+
+PAGE, NUM_BLOCKS, MAX_SEQS = 4, 96, 5
+PROMPTS = [[5, 9, 2, 77, 31, 8], [100, 3, 3, 41, 9, 12, 60, 7, 2, 19, 4], [250, 11]]
+AUX = (0, 1)
+
+
+def test_buckets():
+    assert [bucket_for(n, 5) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    assert bucket_for(64, 64) == 64 and bucket_for(65, 64) is None
+    assert bucket_for(200, 256) == 256
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def runner(model_dir, graphs: bool, device: str = "cpu") -> tuple[ModelRunner, object]:
+    model = load_target(model_dir, dtype=torch.float32, device=device)
+    scratch = num_scratch_pages(MAX_GRAPH_WIDTH, PAGE) if graphs else 0
+    caches = allocate_target_caches(model, NUM_BLOCKS + scratch, PAGE, MAX_SEQS + 1, device)
+    rounds = RoundGraphs(model, caches, AUX, torch.device(device), MAX_SEQS, 24,
+                         list(range(NUM_BLOCKS, NUM_BLOCKS + scratch)), MAX_SEQS) \
+        if graphs else None
+    return ModelRunner(model, caches, AUX, device, graphs=rounds), caches
+
+
+def tables() -> list[list[int]]:
+    # interleaved pages, so a paging bug cannot hide
+    return [[(3 * i + 5 * s) % NUM_BLOCKS for i in range(20)] for s in range(len(PROMPTS))]
+
+
+class Seqs:
+    def __init__(self, r: ModelRunner):
+        self.r, self.tables = r, tables()
+        out = r.prefill([SeqInput(s, p, 0, self.tables[s], s, SamplingParams())
+                         for s, p in enumerate(PROMPTS)])
+        self.cached = [len(p) for p in PROMPTS]
+        self.anchor = [t[0] for t in out.new_tokens]
+
+    def round(self, drafts: list[list[int]]):
+        out = self.r.verify([SeqInput(s, [self.anchor[s], *drafts[s]], self.cached[s],
+                                      self.tables[s], s, SamplingParams())
+                             for s in range(len(PROMPTS))])
+        for s, toks in enumerate(out.new_tokens):
+            self.cached[s] += len(toks)
+            self.anchor[s] = toks[-1]
+        return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_graphs_equal_the_eager_rounds(tiny_models, device):
+    eager_runner, eager_caches = runner(tiny_models / "target", False, device)
+    graph_runner, graph_caches = runner(tiny_models / "target", True, device)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if device == "cpu" else {"atol": 1e-3, "rtol": 1e-3}
+    eager, graph = Seqs(eager_runner), Seqs(graph_runner)
+    assert eager.anchor == graph.anchor
+    # Target-only decode (W = 1 rounds, 3 sequences in the bucket of 4): the continuation.
+    continuation = [[a] for a in eager.anchor]
+    for _ in range(10):
+        a, b = eager.round([[]] * 3), graph.round([[]] * 3)
+        assert a.new_tokens == b.new_tokens
+        torch.testing.assert_close(b.aux, a.aux, **tol)
+        for s, toks in enumerate(a.new_tokens):
+            continuation[s] += toks
+    # Rounds of W = 4 whose drafts are the continuation with sequence s's draft s corrupted:
+    # 3, 1 and 0 accepted; then rounds that must commit exactly that prefix.
+    eager, graph = Seqs(eager_runner), Seqs(graph_runner)  # prefilled again: slots reset
+    produced = [[] for _ in PROMPTS]
+    for _ in range(2):
+        drafts = []
+        for s in range(3):
+            at = len(produced[s]) + 1
+            d = list(continuation[s][at : at + 3])
+            if s < 2:
+                d[2 - s * 2] = (d[2 - s * 2] + 1) % 300
+            drafts.append(d)
+        a, b = eager.round(drafts), graph.round(drafts)
+        assert (a.new_tokens, a.num_accepted) == (b.new_tokens, b.num_accepted)
+        torch.testing.assert_close(b.aux, a.aux, **tol)
+        for s, toks in enumerate(a.new_tokens):
+            produced[s] += toks
+    assert a.num_accepted == [2, 0, 3]
+    for s in range(3):  # the greedy invariant through graphs
+        assert produced[s] == continuation[s][1 : 1 + len(produced[s])]
+    for layer in eager_caches.ssm:  # committed states of the real slots agree
+        torch.testing.assert_close(graph_caches.ssm[layer][:3], eager_caches.ssm[layer][:3],
+                                   **tol)
+        torch.testing.assert_close(graph_caches.conv[layer][:3], eager_caches.conv[layer][:3])
+    assert {key[:2] for key in graph_runner.graphs.steps} == {(4, 1), (4, 4)}  # S=3: bucket 4
+    if device == "cuda":  # replayed, not run eagerly
+        assert all(step.forward.graph is not None for step in graph_runner.graphs.steps.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_graph_proposals_equal_the_eager_ones(tiny_models, device):
+    target = load_target(tiny_models / "target", dtype=torch.float32, device=device)
+    block = 4
+
+    def drafter(graphs: bool) -> DraftRunner:
+        model = DFlashDraftModel.from_pretrained(tiny_models / "draft-swa", dtype=torch.float32,
+                                                 device=device, block_size=block)
+        return DraftRunner(model, NUM_BLOCKS, PAGE, block, target.embed, target.compute_logits,
+                           device, graph_max_seqs=MAX_SEQS if graphs else 0, graph_max_pages=24)
+
+    g = torch.Generator().manual_seed(0)
+    lens = [len(p) for p in PROMPTS]
+    width = drafter(False).model.cfg.aux_hidden_size
+    aux = torch.randn(sum(lens), width, generator=g).to(device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    eager, graph = drafter(False), drafter(True)
+    for d in (eager, graph):
+        d.write_context(aux, positions, tables(), lens)
+    for anchors, n in (([4, 50, 9], 3), ([7], 1), ([1, 2], 2)):  # buckets 4, 1, 2
+        want = eager.propose(anchors, lens[:n], tables()[:n])
+        got = graph.propose(anchors, lens[:n], tables()[:n])
+        assert got.shape == (n, block - 1) and torch.equal(got.cpu(), want.cpu())
+    assert {key[:2] for key in graph.graphs} == {(4, block), (1, block), (2, block)}

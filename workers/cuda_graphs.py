@@ -1,0 +1,195 @@
+"""CUDA graphs for the fixed-shape steps: the target's round (S sequences × W tokens: forward +
+logits, then the commit of the accepted prefix) and the draft's proposal. Uniform rounds make
+the shapes depend only on (S, W) and the block-table width P, so each is captured once per
+(batch bucket, W, page bucket), lazily, and replayed with its inputs copied into static
+buffers: one launch instead of thousands. Attention gathers all P pages of every sequence
+(masked past its length), so P is bucketed by powers of two.
+
+A batch is padded up to its bucket with dummy sequences that read and write only scratch
+pages and a scratch GDN state slot, reserved past what the block manager hands out. Every
+graph shares one memory pool (steps never overlap), and a step's outputs are the graph's own
+tensors: they are read (or copied) before the next replay.
+
+Capture needs kernels that read no host lists and never sync: the gathered paged attention
+(target/kernels/attention.py), batched GDN rounds, grouped-GEMM MoE."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from target.batch import ForwardBatch, TargetCaches
+from target.layers.attention import GatedAttention
+from target.model import Qwen3_5MoeForCausalLM
+
+# Batch sizes captured (a batch runs in the smallest bucket that holds it; larger ones eager).
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Widest round (tokens per sequence) captured; scratch pages cover a dummy block this wide.
+MAX_GRAPH_WIDTH = 64
+
+
+def bucket_for(n: int, max_seqs: int) -> int | None:
+    """The smallest bucket holding n sequences, up to the first bucket ≥ max_seqs; None past
+    it (the batch runs eagerly)."""
+    top = next((b for b in BUCKETS if b >= max_seqs), BUCKETS[-1])
+    return next((b for b in BUCKETS if n <= b <= top), None)
+
+
+def page_bucket(pages: int, max_pages: int) -> int | None:
+    """The power of two ≥ pages (at least 8) a table is widened to; None past max_pages."""
+    if pages > max_pages:
+        return None
+    return min(max(8, 1 << (max(pages, 1) - 1).bit_length()), max_pages)
+
+
+def num_scratch_pages(max_width: int, page: int) -> int:
+    """Pages a dummy sequence's block (W tokens from position 0) occupies."""
+    return -(-max_width // page)
+
+
+def graph_max_pages(max_model_len: int | None, num_blocks: int, page: int) -> int:
+    """The widest block table a captured step takes: a full-length sequence plus a round's
+    lookahead, and never more than the pool holds."""
+    if max_model_len is None:
+        return num_blocks
+    return max(min(num_blocks, -(-(max_model_len + MAX_GRAPH_WIDTH) // page)),
+               num_scratch_pages(MAX_GRAPH_WIDTH, page))
+
+
+class CapturedCall:
+    """fn(inputs) captured once over static device inputs; each call copies new values into
+    them and replays. `warmup` runs fn once first (Triton autotuning, compiled FlexAttention,
+    cuBLAS handles) — only where running it twice is harmless. Off CUDA nothing is captured:
+    each call runs fn on the static inputs (the same padding and buffers, testable on CPU)."""
+
+    def __init__(self, fn: Callable[[dict[str, torch.Tensor]], object],
+                 inputs: dict[str, torch.Tensor], pool, warmup: bool = True):
+        self.inputs, self.fn, self.graph, self.outputs = inputs, fn, None, None
+        if next(iter(inputs.values())).device.type != "cuda":
+            return
+        if warmup:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn(inputs)
+            torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(inputs)
+
+    def __call__(self, **values: torch.Tensor):
+        # A value may be smaller than its buffer (block tables: the pages in use): it fills the
+        # leading corner, and what lies past it is never read (masked by the lengths).
+        for name, value in values.items():
+            dst = self.inputs[name]
+            if value.shape != dst.shape:
+                dst = dst[tuple(slice(0, n) for n in value.shape)]
+            dst.copy_(value, non_blocking=True)
+        if self.graph is None:
+            self.outputs = self.fn(self.inputs)
+        else:
+            self.graph.replay()
+        return self.outputs
+
+
+class _RoundStep:
+    """One (S, W) bucket: the forward graph and the commit graph reading its journal."""
+
+    def __init__(self, forward: CapturedCall, commit: CapturedCall):
+        self.forward, self.commit = forward, commit
+
+
+class RoundGraphs:
+    """The target's uniform verify rounds as CUDA graphs per (bucket, W). `forward` returns the
+    bucket-sized logits [S'·W, V], aux [S'·W, n_aux·H] and the static ForwardBatch (its first
+    S sequences are the real ones); `commit` then advances the GDN states of those S."""
+
+    def __init__(self, model: Qwen3_5MoeForCausalLM, caches: TargetCaches,
+                 aux_layer_ids: tuple[int, ...], device: torch.device, max_seqs: int,
+                 max_pages: int, scratch_pages: list[int], scratch_slot: int):
+        for m in model.modules():  # the paged attention that reads only device tensors
+            if isinstance(m, GatedAttention):
+                m.round_attention = "gathered"
+        self.model, self.caches, self.aux_layer_ids = model, caches, aux_layer_ids
+        self.device, self.max_seqs, self.max_pages = device, max_seqs, max_pages
+        self.page = caches.block_size
+        self.scratch_pages = torch.tensor(scratch_pages, dtype=torch.int32)
+        self.scratch_slot = scratch_slot
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.steps: dict[tuple[int, int, int], _RoundStep] = {}
+        self._current: tuple[_RoundStep, int, int] | None = None
+
+    def fits(self, n_seqs: int, width: int, table_width: int) -> bool:
+        return (bucket_for(n_seqs, self.max_seqs) is not None
+                and page_bucket(max(table_width, len(self.scratch_pages)), self.max_pages)
+                is not None and width <= len(self.scratch_pages) * self.page)
+
+    def forward(self, host: dict[str, torch.Tensor], n_seqs: int, width: int
+                ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+        """host: the CPU tensors of ModelRunner._host_inputs for n_seqs sequences of width."""
+        padded = bucket_for(n_seqs, self.max_seqs)
+        pages = page_bucket(max(host["block_tables"].shape[1], len(self.scratch_pages)),
+                            self.max_pages)
+        host = self._pad(host, n_seqs, padded, width, pages)
+        step = self.steps.get((padded, width, pages))
+        if step is None:
+            step = self.steps[padded, width, pages] = self._capture(padded, width, host)
+        logits, aux, batch = step.forward(**host)
+        self._current = (step, n_seqs, padded)
+        return logits, aux, batch
+
+    def commit(self, num_kept: list[int]) -> None:
+        step, n_seqs, padded = self._current
+        kept = torch.tensor(num_kept + [0] * (padded - n_seqs), dtype=torch.long)
+        step.commit(num_kept=kept)
+        self._current = None
+
+    def _pad(self, host: dict[str, torch.Tensor], n_seqs: int, padded: int, width: int,
+             pages: int) -> dict[str, torch.Tensor]:
+        extra = padded - n_seqs
+        tables = torch.zeros(padded, pages, dtype=torch.int32)  # entries past a table: page 0
+        tables[:n_seqs, : host["block_tables"].shape[1]] = host["block_tables"]
+        tables[n_seqs:, : len(self.scratch_pages)] = self.scratch_pages
+        pos = torch.arange(width).repeat(extra)  # dummies: W tokens from position 0
+        dummy_slots = self.scratch_pages[pos // self.page].long() * self.page + pos % self.page
+        no_ids = torch.zeros(extra * width, dtype=torch.long)
+        return {
+            "input_ids": torch.cat([host["input_ids"], no_ids]),
+            "positions": torch.cat([host["positions"], pos]),
+            "slot_mapping": torch.cat([host["slot_mapping"], dummy_slots]),
+            "block_tables": tables,
+            "seq_lens": torch.cat([host["seq_lens"], torch.full((extra,), width)]),
+            "state_slots": torch.cat([host["state_slots"],
+                                      torch.full((extra,), self.scratch_slot)]),
+        }
+
+    def _capture(self, padded: int, width: int, host: dict[str, torch.Tensor]) -> _RoundStep:
+        static = {name: t.to(self.device) for name, t in host.items()}
+
+        def batch_of(inputs: dict[str, torch.Tensor]) -> ForwardBatch:
+            # Host lists a captured forward may not read are None (kernels read the tensors).
+            return ForwardBatch(
+                input_ids=inputs["input_ids"], positions=inputs["positions"],
+                query_lens=[width] * padded, seq_lens=None, slot_mapping=inputs["slot_mapping"],
+                block_tables=inputs["block_tables"], state_slots=None,
+                is_verify=[True] * padded, aux_layer_ids=self.aux_layer_ids,
+                seq_lens_t=inputs["seq_lens"], state_slots_t=inputs["state_slots"])
+
+        def forward(inputs):
+            # Writes the block's K/V (the same values each run) and journals; states untouched.
+            batch = batch_of(inputs)
+            hidden, aux = self.model(batch, self.caches)
+            return self.model.compute_logits(hidden), aux, batch
+
+        fwd = CapturedCall(forward, static, self.pool)
+        if fwd.graph is not None:  # capture ran nothing: fill the journal the commit reads
+            fwd.graph.replay()
+        kept = {"num_kept": torch.zeros(padded, dtype=torch.long, device=self.device)}
+        # Over the forward's journal (fixed once captured). Warmed up with num_kept = 0, which
+        # leaves every state exactly as it was (given a journal of finite values: above).
+        commit = CapturedCall(
+            lambda inputs: self.model.commit_verify(fwd.outputs[2], self.caches,
+                                                    inputs["num_kept"]),
+            kept, self.pool)
+        return _RoundStep(fwd, commit)
