@@ -143,6 +143,10 @@ def bench_batch(target, draft, b: int, args, bw: float, device: torch.device) ->
             str(tau): engine_overhead_ms(plan, b, B, min(B - 1, round(tau) - 1))
             for tau in args.taus}
         r["engine_overhead_AR_ms"] = engine_overhead_ms(plan, b, 1, 0)
+        failed = {f"round {k}": v for k, v in batch.runner.graphs.failed.items()} \
+            if graphs else {}
+        failed.update({f"proposal {k}": v for k, v in drafter.failed.items()})
+        r["graph_failures"] = failed  # shapes that ran eagerly: their capture failed
         r[f"projected_speedup_B{B}"] = {
             str(tau): tau * (r["decode_ms"] + r["engine_overhead_AR_ms"])
             / (r[f"round_B{B}_ms"] + r[f"engine_overhead_B{B}_ms"][str(tau)])

@@ -13,6 +13,7 @@ from workers.cuda_graphs import (
     MAX_GRAPH_WIDTH,
     CapturedCall,
     bucket_for,
+    capture_or_log,
     num_scratch_pages,
     page_bucket,
 )
@@ -39,6 +40,7 @@ class DraftRunner:
         self.kv_cache = model.allocate_kv_cache(num_blocks + scratch, page_size)
         self.scratch_pages = torch.arange(num_blocks, num_blocks + scratch, dtype=torch.int32)
         self.graphs: dict[tuple[int, int, int], CapturedCall] = {}
+        self.failed: dict[tuple[int, int, int], str] = {}  # shapes that run eagerly
         # (off CUDA: the same static buffers, run without capture)
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
@@ -78,14 +80,18 @@ class DraftRunner:
         lens_t = torch.tensor(context_lens, dtype=torch.long)
         padded = bucket_for(len(anchors), self.graph_max_seqs) if self.graph_max_seqs else None
         pages = page_bucket(max(width, len(self.scratch_pages)), self.graph_max_pages)
-        if padded is None or pages is None or self.block_size > MAX_GRAPH_WIDTH:
+        out = None
+        if padded is not None and pages is not None and self.block_size <= MAX_GRAPH_WIDTH \
+                and (padded, self.block_size, pages) not in self.failed:
+            out = self._replay(padded, pages, anchors_t, lens_t, tables)
+        if out is None:
             return self.model.propose(anchors_t.to(self.device), lens_t.to(self.device),
                                       tables.to(self.device), self.kv_cache, self.embed,
                                       self.lm_head, self.block_size)
-        return self._replay(padded, pages, anchors_t, lens_t, tables)[: len(anchors)].clone()
+        return out[: len(anchors)].clone()
 
     def _replay(self, padded: int, pages: int, anchors: torch.Tensor, lens: torch.Tensor,
-                tables: torch.Tensor) -> torch.Tensor:
+                tables: torch.Tensor) -> torch.Tensor | None:
         # Padding sequences: anchor 0, no context, the block in the scratch pages. The wider
         # table only adds masked keys to the attention's gather.
         extra, n = padded - anchors.shape[0], anchors.shape[0]
@@ -105,5 +111,9 @@ class DraftRunner:
                                           inputs["block_tables"], self.kv_cache, self.embed,
                                           self.lm_head, block)
 
-            self.graphs[key] = CapturedCall(propose, static, self.pool)
+            call = capture_or_log(lambda: CapturedCall(propose, static, self.pool), "proposal",
+                                  key, self.failed)
+            if call is None:
+                return None
+            self.graphs[key] = call
         return self.graphs[key](anchors=anchors, context_lens=lens, block_tables=full)

@@ -39,5 +39,5 @@ bench)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 32 --block-sizes 8 16 \
     --prompt-len 512 --iters 10 --warmup 3 --out "$OUT/engine.json" ${BENCH_ARGS:-} 2>&1 \
-    | grep -v "falling back" | tail -8 ;;
+    | tee "$OUT/bench.log" | grep -v "falling back" | tail -8 ;;
 esac; done

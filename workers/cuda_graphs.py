@@ -15,6 +15,7 @@ Capture needs kernels that read no host lists and never sync: the gathered paged
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,8 @@ import torch
 from target.batch import ForwardBatch, TargetCaches
 from target.layers.attention import GatedAttention
 from target.model import Qwen3_5MoeForCausalLM
+
+logger = logging.getLogger(__name__)
 
 # Batch sizes captured (a batch runs in the smallest bucket that holds it; larger ones eager).
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -93,6 +96,18 @@ class CapturedCall:
         return self.outputs
 
 
+def capture_or_log(capture: Callable[[], object], what: str, key: tuple, failed: dict):
+    """capture(), or None after logging why (recorded in failed[key]): a shape that cannot be
+    captured runs eagerly rather than failing the step."""
+    try:
+        return capture()
+    except RuntimeError as e:  # torch.AcceleratorError included
+        failed[key] = f"{type(e).__name__}: {e}"
+        logger.warning("CUDA graph capture of the %s %s failed; it runs eagerly", what, key,
+                       exc_info=True)
+        return None
+
+
 class _RoundStep:
     """One (S, W) bucket: the forward graph and the commit graph reading its journal."""
 
@@ -118,6 +133,8 @@ class RoundGraphs:
         self.scratch_slot = scratch_slot
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.steps: dict[tuple[int, int, int], _RoundStep] = {}
+        # Shapes whose capture failed (key → error): they run eagerly from then on.
+        self.failed: dict[tuple[int, int, int], str] = {}
         self._current: tuple[_RoundStep, int, int] | None = None
 
     def fits(self, n_seqs: int, width: int, table_width: int) -> bool:
@@ -126,15 +143,23 @@ class RoundGraphs:
                 is not None and width <= len(self.scratch_pages) * self.page)
 
     def forward(self, host: dict[str, torch.Tensor], n_seqs: int, width: int
-                ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
-        """host: the CPU tensors of ModelRunner._host_inputs for n_seqs sequences of width."""
+                ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch] | None:
+        """host: the CPU tensors of ModelRunner._host_inputs for n_seqs sequences of width.
+        None if this shape could not be captured (the caller runs it eagerly)."""
         padded = bucket_for(n_seqs, self.max_seqs)
         pages = page_bucket(max(host["block_tables"].shape[1], len(self.scratch_pages)),
                             self.max_pages)
+        key = (padded, width, pages)
+        if key in self.failed:
+            return None
         host = self._pad(host, n_seqs, padded, width, pages)
-        step = self.steps.get((padded, width, pages))
+        step = self.steps.get(key)
         if step is None:
-            step = self.steps[padded, width, pages] = self._capture(padded, width, host)
+            step = capture_or_log(lambda: self._capture(padded, width, host), "round", key,
+                                  self.failed)
+            if step is None:
+                return None
+            self.steps[key] = step
         logits, aux, batch = step.forward(**host)
         self._current = (step, n_seqs, padded)
         return logits, aux, batch

@@ -186,10 +186,12 @@ class ModelRunner:
         their outputs are padded past the real sequences, which are read by index."""
         host = self._host_inputs(seqs)
         width = len(seqs[0].token_ids)
-        graphs = self.graphs
+        graphs, captured = self.graphs, None
         if graphs is not None and all(len(s.token_ids) == width for s in seqs) and graphs.fits(
                 len(seqs), width, host["block_tables"].shape[1]):
-            logits, aux, batch = graphs.forward(host, len(seqs), width)
+            captured = graphs.forward(host, len(seqs), width)
+        if captured is not None:
+            logits, aux, batch = captured
             commit = graphs.commit
         else:
             batch = self._batch(seqs, True, host)
