@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.nn import functional as F
+
+from target.kernels.attention import sdpa_masked
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
@@ -131,7 +132,7 @@ def paged_block_attention(
     if groups > 1:  # GQA: query head h reads kv head h // groups
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale)
+    out = sdpa_masked(q.transpose(1, 2), k, v, mask, scale)
     return out.transpose(1, 2).reshape(num_seqs, block_len, *q.shape[2:])
 
 

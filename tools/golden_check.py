@@ -82,6 +82,19 @@ def check(spec: LLMEngine, ref: LLMEngine, prompts: list[list[int]], max_tokens:
         "divergences": divergences,
         "all_divergences_near_ties": all(d["near_tie"] for d in divergences),
         "mean_acceptance_length": spec.stats.mean_acceptance_length,
+        "cuda_graphs": {"speculative": captured_shapes(spec), "target_only": captured_shapes(ref)},
+    }
+
+
+def captured_shapes(engine: LLMEngine) -> dict[str, list]:
+    """The shapes that ran as CUDA graphs (empty off CUDA or with enforce_eager), and any whose
+    capture failed and ran eagerly."""
+    rounds, drafter = engine.runner.graphs, engine.drafter
+    return {
+        "rounds": sorted(rounds.steps) if rounds is not None else [],
+        "proposals": sorted(drafter.graphs) if drafter is not None else [],
+        "failed": [str(k) for k in (rounds.failed if rounds is not None else {})]
+        + [str(k) for k in (drafter.failed if drafter is not None else {})],
     }
 
 
