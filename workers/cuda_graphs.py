@@ -16,6 +16,7 @@ Capture needs kernels that read no host lists and never sync: the gathered paged
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Widest round (tokens per sequence) captured; scratch pages cover a dummy block this wide.
 MAX_GRAPH_WIDTH = 64
+# Round shapes kept captured at once (least recently used evicted): each holds its journal
+# (GDN keys/values/gates of the block, ~1.4 GB for 64 sequences × 16 tokens of 35B-A3B).
+MAX_ROUND_GRAPHS = 16
 
 
 def bucket_for(n: int, max_seqs: int) -> int | None:
@@ -78,8 +82,18 @@ class CapturedCall:
                 fn(inputs)
             torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = fn(inputs)
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = fn(inputs)
+        except RuntimeError:
+            # A failed capture leaves the allocator routing this thread's allocations into the
+            # pool (capture_end raises before ending that): end it, so later steps and
+            # captures work.
+            try:
+                torch.cuda.memory._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+            except RuntimeError:
+                pass  # (not recording: nothing to end)
+            raise
 
     def __call__(self, **values: torch.Tensor):
         # A value may be smaller than its buffer (block tables: the pages in use): it fills the
@@ -116,13 +130,17 @@ class _RoundStep:
 
 
 class RoundGraphs:
-    """The target's uniform verify rounds as CUDA graphs per (bucket, W). `forward` returns the
-    bucket-sized logits [S'·W, V], aux [S'·W, n_aux·H] and the static ForwardBatch (its first
-    S sequences are the real ones); `commit` then advances the GDN states of those S."""
+    """The target's uniform verify rounds as CUDA graphs per (S bucket, W, P bucket).
+    `forward` returns the bucket-sized final hidden states [S'·W, H] (logits are one GEMM the
+    caller runs over the real rows: a graph's own [S'·W, V] fp32 logits would pin ~1 GB per
+    large shape), aux [S'·W, n_aux·H] and the static ForwardBatch (its first S sequences are
+    the real ones); `commit` then advances the GDN states of those S. At most `max_graphs`
+    shapes stay captured (least recently used evicted: their memory returns to the pool)."""
 
     def __init__(self, model: Qwen3_5MoeForCausalLM, caches: TargetCaches,
                  aux_layer_ids: tuple[int, ...], device: torch.device, max_seqs: int,
-                 max_pages: int, scratch_pages: list[int], scratch_slot: int):
+                 max_pages: int, scratch_pages: list[int], scratch_slot: int,
+                 max_graphs: int = MAX_ROUND_GRAPHS):
         for m in model.modules():  # the paged attention that reads only device tensors
             if isinstance(m, GatedAttention):
                 m.round_attention = "gathered"
@@ -132,7 +150,8 @@ class RoundGraphs:
         self.scratch_pages = torch.tensor(scratch_pages, dtype=torch.int32)
         self.scratch_slot = scratch_slot
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.steps: dict[tuple[int, int, int], _RoundStep] = {}
+        self.steps: OrderedDict[tuple[int, int, int], _RoundStep] = OrderedDict()
+        self.max_graphs, self.evictions = max_graphs, 0
         # Shapes whose capture failed (key → error): they run eagerly from then on.
         self.failed: dict[tuple[int, int, int], str] = {}
         self._current: tuple[_RoundStep, int, int] | None = None
@@ -155,14 +174,18 @@ class RoundGraphs:
         host = self._pad(host, n_seqs, padded, width, pages)
         step = self.steps.get(key)
         if step is None:
+            while len(self.steps) >= self.max_graphs:
+                self.steps.popitem(last=False)
+                self.evictions += 1
             step = capture_or_log(lambda: self._capture(padded, width, host), "round", key,
                                   self.failed)
             if step is None:
                 return None
             self.steps[key] = step
-        logits, aux, batch = step.forward(**host)
+        self.steps.move_to_end(key)
+        hidden, aux, batch = step.forward(**host)
         self._current = (step, n_seqs, padded)
-        return logits, aux, batch
+        return hidden, aux, batch
 
     def commit(self, num_kept: list[int]) -> None:
         step, n_seqs, padded = self._current
@@ -205,7 +228,7 @@ class RoundGraphs:
             # Writes the block's K/V (the same values each run) and journals; states untouched.
             batch = batch_of(inputs)
             hidden, aux = self.model(batch, self.caches)
-            return self.model.compute_logits(hidden), aux, batch
+            return hidden, aux, batch
 
         fwd = CapturedCall(forward, static, self.pool)
         if fwd.graph is not None:  # capture ran nothing: fill the journal the commit reads

@@ -191,7 +191,8 @@ class ModelRunner:
                 len(seqs), width, host["block_tables"].shape[1]):
             captured = graphs.forward(host, len(seqs), width)
         if captured is not None:
-            logits, aux, batch = captured
+            hidden, aux, batch = captured
+            logits = self.model.compute_logits(hidden[: sum(len(s.token_ids) for s in seqs)])
             commit = graphs.commit
         else:
             batch = self._batch(seqs, True, host)

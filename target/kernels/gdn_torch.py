@@ -27,7 +27,11 @@ def causal_conv_batched(
     Returns silu(conv) [S, L, C] and [state | x] [S, C, K-1+L] (the caller slices new states
     from it: all L inputs for a prefill, the accepted prefix for a verify)."""
     seq = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [S, C, K-1+L]
-    out = F.conv1d(seq, weight.unsqueeze(1), groups=weight.shape[0])  # [S, C, L]
+    # K multiply-adds per output in fp32, not F.conv1d: cuDNN's convolution is kept out of the
+    # captured rounds (a batch-32 round failed to capture on the H200 right before this layer's
+    # first kernel after it; cuDNN picks plans per shape and alignment).
+    windows = seq.unfold(-1, weight.shape[1], 1)  # [S, C, L, K]
+    out = (windows.float() * weight.float()[:, None, :]).sum(-1).to(x.dtype)  # [S, C, L]
     return F.silu(out.transpose(1, 2)), seq
 
 

@@ -31,13 +31,14 @@ def test_buckets():
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def runner(model_dir, graphs: bool, device: str = "cpu") -> tuple[ModelRunner, object]:
+def runner(model_dir, graphs: bool, device: str = "cpu",
+           max_graphs: int = 16) -> tuple[ModelRunner, object]:
     model = load_target(model_dir, dtype=torch.float32, device=device)
     scratch = num_scratch_pages(MAX_GRAPH_WIDTH, PAGE) if graphs else 0
     caches = allocate_target_caches(model, NUM_BLOCKS + scratch, PAGE, MAX_SEQS + 1, device)
     rounds = RoundGraphs(model, caches, AUX, torch.device(device), MAX_SEQS, 24,
-                         list(range(NUM_BLOCKS, NUM_BLOCKS + scratch)), MAX_SEQS) \
-        if graphs else None
+                         list(range(NUM_BLOCKS, NUM_BLOCKS + scratch)), MAX_SEQS,
+                         max_graphs=max_graphs) if graphs else None
     return ModelRunner(model, caches, AUX, device, graphs=rounds), caches
 
 
@@ -107,6 +108,21 @@ def test_round_graphs_equal_the_eager_rounds(tiny_demo, device):
     assert {key[:2] for key in graph_runner.graphs.steps} == {(4, 1), (4, 4)}  # S=3: bucket 4
     if device == "cuda":  # replayed, not run eagerly
         assert all(step.forward.graph is not None for step in graph_runner.graphs.steps.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_evicted_round_shapes_are_recaptured_and_stay_exact(tiny_demo, device):
+    """One shape kept at a time: alternating W = 1 and W = 3 rounds evict and recapture every
+    time, and still equal the eager rounds."""
+    eager, graph = Seqs(runner(tiny_demo[0], False, device)[0]), \
+        Seqs(runner(tiny_demo[0], True, device, max_graphs=1)[0])
+    g = torch.Generator().manual_seed(3)
+    for i in range(6):
+        drafts = [[]] * 3 if i % 2 else torch.randint(0, 300, (3, 2), generator=g).tolist()
+        a, b = eager.round(drafts), graph.round(drafts)
+        assert (a.new_tokens, a.num_accepted) == (b.new_tokens, b.num_accepted)
+    rounds = graph.r.graphs
+    assert len(rounds.steps) == 1 and rounds.evictions == 5
 
 
 @pytest.mark.parametrize("device", DEVICES)
