@@ -126,14 +126,17 @@ def paged_block_attention(
     key_valid = torch.cat([ctx_valid, torch.ones_like(block_pos, dtype=torch.bool)], dim=1)
     mask = block_mask(block_pos, key_pos, key_valid, is_causal, window)
 
-    groups = q.shape[2] // k_block.shape[2]
+    kv_heads, dim = k_block.shape[2], q.shape[3]
+    groups = q.shape[2] // kv_heads  # GQA: query head h reads kv head h // groups
     k = torch.cat([k_ctx.to(k_block.dtype), k_block], dim=1).transpose(1, 2)  # [S, Hkv, K, D]
     v = torch.cat([v_ctx.to(v_block.dtype), v_block], dim=1).transpose(1, 2)
-    if groups > 1:  # GQA: query head h reads kv head h // groups
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    out = sdpa_masked(q.transpose(1, 2), k, v, mask, scale)
-    return out.transpose(1, 2).reshape(num_seqs, block_len, *q.shape[2:])
+    # Each kv head's query heads stacked as rows (row g·B + b: block position b of head
+    # kv·G + g), so K/V are read once per kv head instead of repeated per query head.
+    qq = q.view(num_seqs, block_len, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
+    qq = qq.reshape(num_seqs, kv_heads, groups * block_len, dim)
+    out = sdpa_masked(qq, k, v, mask.repeat(1, 1, groups, 1), scale)  # [S, Hkv, G·B, D]
+    out = out.view(num_seqs, kv_heads, groups, block_len, dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs, block_len, *q.shape[2:])
 
 
 def paged_block_attention_flex(
