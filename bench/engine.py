@@ -32,6 +32,7 @@ from configs.engine import SamplingParams
 from configs.presets import draft_preset, target_preset
 from draft.model import DraftAttention
 from draft.proposer import DraftRunner
+from target.kernels import fused
 from target.layers.attention import GatedAttention
 from target.layers.gdn import GatedDeltaNet
 from target.layers.moe import FusedExperts
@@ -210,11 +211,14 @@ def main() -> None:
     p.add_argument("--draft-attention", choices=["reference", "flex"], default="reference",
                    help="draft blocks through FlexAttention over the paged cache")
     p.add_argument("--moe", choices=["auto", "reference", "grouped"], default="auto")
+    p.add_argument("--fuse", action="store_true",
+                   help="compile the elementwise chains (target/kernels/fused.py)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (rounds and proposals run eagerly)")
     p.add_argument("--gdn-rounds", choices=["batched", "per-seq"], default="batched")
     args = p.parse_args()
     GatedAttention.round_attention = args.attention
+    fused.enable(args.fuse)
     DraftAttention.flex_blocks = args.draft_attention == "flex"
     GatedDeltaNet.batched_rounds = args.gdn_rounds == "batched"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

@@ -24,6 +24,7 @@ from bench.random_model import build_draft, build_target
 from configs.presets import draft_preset, target_preset
 from draft.model import DraftAttention
 from draft.proposer import DraftRunner
+from target.kernels import fused
 from target.layers.attention import GatedAttention
 
 
@@ -69,10 +70,13 @@ def main() -> None:
     p.add_argument("--attention", choices=["reference", "gathered", "flex"],
                    default="reference", help="eager rounds (captured ones use gathered)")
     p.add_argument("--draft-attention", choices=["reference", "flex"], default="reference")
+    p.add_argument("--fuse", action="store_true",
+                   help="compile the elementwise chains (target/kernels/fused.py)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--out", help="append the operator tables to this file")
     args = p.parse_args()
     GatedAttention.round_attention = args.attention
+    fused.enable(args.fuse)
     DraftAttention.flex_blocks = args.draft_attention == "flex"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     target = build_target(target_preset(args.preset), dtype, device)

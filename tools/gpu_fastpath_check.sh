@@ -5,6 +5,7 @@
 #   profile  bench/profile_step.py at batch 1 (CUDA graphs)
 #   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts)
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
+#   fuse     the same with the elementwise chains compiled (--fuse), B = 16, no baseline
 # Usage: ../shared/tools/device-wheels.sh   (fills .whl/ with fla on a machine with pip)
 #        OUT=/some/dir bash tools/gpu_fastpath_check.sh [tests profile golden bench]
 # (each part's timeout: TESTS_TIMEOUT, PROFILE_TIMEOUT, GOLDEN_TIMEOUT, BENCH_TIMEOUT seconds)
@@ -40,4 +41,9 @@ bench)
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 32 --block-sizes 8 16 \
     --prompt-len 512 --iters 10 --warmup 3 --out "$OUT/engine.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log" | grep -v "falling back" | tail -8 ;;
+fuse)
+  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights --fuse \
+    --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 32 --block-sizes 16 --no-baseline \
+    --prompt-len 512 --iters 10 --warmup 3 --out "$OUT/engine_fuse.json" 2>&1 \
+    | tee "$OUT/bench_fuse.log" | grep -v "falling back" | tail -6 ;;
 esac; done

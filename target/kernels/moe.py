@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from target.kernels import fused
+
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                     topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -26,8 +28,7 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     offs = counts.cumsum(0, dtype=torch.int32)  # [E] end of each expert's group
     # [E, 2I, H] → [E, H, 2I] view: the K-major operand the grouped GEMM takes as is.
     gu = torch._grouped_mm(x[token_of], gate_up.transpose(1, 2), offs=offs)  # [T·k, 2I]
-    gate, up = gu.chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [T·k, H]
+    y = torch._grouped_mm(fused.silu_mul(gu), down.transpose(1, 2), offs=offs)  # [T·k, H]
     y = y * topk_weights.flatten()[order].unsqueeze(-1).to(y.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
 

@@ -14,6 +14,7 @@ from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
 from target.kernels import attention as attn_kernels
+from target.kernels import fused
 from target.kernels.attention_flex import paged_attention_round, round_block_mask
 from target.layers.linear import ColumnParallelLinear, RowParallelLinear
 from target.layers.norm import RMSNorm
@@ -70,5 +71,5 @@ class GatedAttention(nn.Module):
         else:
             o = attn_kernels.paged_attention(q, k_cache, v_cache, batch.query_lens,
                                              batch.seq_lens, batch.block_tables, self.scale)
-        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        o = fused.sigmoid_gate(o.reshape(t, -1), gate.reshape(t, -1))
         return self.o_proj(o)

@@ -12,13 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
-from target.kernels import gdn
+from target.kernels import fused, gdn
 from target.layers.linear import ColumnParallelLinear, RowParallelLinear, load_sharded_1d
 from target.layers.norm import GatedRMSNorm
 from target.weights import WeightSource, copy_into, expect_shape
@@ -95,8 +94,8 @@ class GatedDeltaNet(nn.Module):
         # x [T, hidden]
         mixed_qkv = self.in_proj_qkv(x)  # [T, C]
         z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(x).float().sigmoid()  # [T, H]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g, beta = fused.gdn_gates(self.in_proj_b(x), self.in_proj_a(x), self.A_log,
+                                  self.dt_bias)  # [T, H] fp32 each
         conv_cache, ssm_cache = caches.conv[self.layer_idx], caches.ssm[self.layer_idx]
         weight = self.conv1d.weight[:, 0, :]
         journal = batch.journal.setdefault(self.layer_idx, [])
@@ -140,15 +139,8 @@ class GatedDeltaNet(nn.Module):
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # conv_out [..., C] → q, k [..., Hv, Dk] (normalised, q scaled, key heads expanded to
         # the value heads), v [..., Hv, Dv]
-        q, k, v = torch.split(conv_out, self.local_segments, dim=-1)
-        lead = conv_out.shape[:-1]
-        q = q.reshape(*lead, self.num_k_heads, self.head_k_dim).float()
-        k = k.reshape(*lead, self.num_k_heads, self.head_k_dim).float()
-        v = v.reshape(*lead, self.num_v_heads, self.head_v_dim)
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * self.head_k_dim**-0.5
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        ratio = self.num_v_heads // self.num_k_heads  # value head j reads key head j // ratio
-        return q.repeat_interleave(ratio, -2), k.repeat_interleave(ratio, -2), v
+        return fused.gdn_split_heads(conv_out, self.local_segments[0], self.num_k_heads,
+                                     self.head_k_dim, self.num_v_heads, self.head_v_dim)
 
     def commit(self, batch: ForwardBatch, caches: TargetCaches, num_kept: list[int]) -> None:
         """Advance each verify sequence's committed state over the first num_kept tokens."""

@@ -10,6 +10,7 @@ from torch import nn
 
 from configs.model import TargetConfig
 from target.distributed import TPGroup, all_reduce
+from target.kernels import fused
 from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
 from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from target.weights import WeightSource, copy_into, expect_shape
@@ -102,12 +103,11 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(h, 1, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
-        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
-        topk_weights = (topk_weights / topk_weights.sum(-1, keepdim=True)).to(x.dtype)
+        topk_weights, topk_ids = fused.moe_route(self.gate(x), self.top_k, x.dtype)  # [T, k]
         routed = self.experts(x, topk_ids, topk_weights)
-        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
-        return all_reduce(routed + shared, self.tp)
+        out = fused.shared_expert_combine(routed, self.shared_expert(x),
+                                          self.shared_expert_gate(x))
+        return all_reduce(out, self.tp)
 
 
 class SharedExpert(nn.Module):
@@ -117,5 +117,4 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, tp, dtype, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from target.kernels import fused
 from target.weights import WeightSource, copy_into, expect_shape
 
 
@@ -22,9 +22,7 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = _replicated_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -37,7 +35,4 @@ class GatedRMSNorm(nn.Module):
         self.weight.weight_loader = _replicated_loader
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
-        return (h * F.silu(z.float())).to(x.dtype)
+        return fused.gated_rms_norm(x, z, self.weight, self.eps)

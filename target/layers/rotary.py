@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from target.kernels import fused
+
 
 class RotaryEmbedding(nn.Module):
     """NeoX-style RoPE on the first `rotary_dim` dims of each head (Qwen3.5 rotates 64 of 256).
@@ -22,9 +24,4 @@ class RotaryEmbedding(nn.Module):
         return tuple(self._apply(x, cos, sin) for x in xs)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        d = self.rotary_dim
-        rot, rest = x[..., :d], x[..., d:]
-        half = d // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-        return torch.cat([out, rest], dim=-1)
+        return fused.rope(x, cos, sin, self.rotary_dim)

@@ -1,0 +1,127 @@
+"""The forward's elementwise chains as plain functions of tensors — norms, the Gated DeltaNet
+gates and head split, MoE routing, SwiGLU, RoPE, output gates — so that each can run as one
+fused kernel instead of 5–25 small ones (the profile of a captured decode step: ~4000 such
+kernels, ~8 of its 12.5 ms; docs/BENCHMARKS.md).
+
+Eager, they are the reference math (the layers call them). `enable()` compiles each with
+torch.compile (dynamic shapes, one graph, parameters as arguments: one compiled kernel
+serves every layer) for CUDA tensors. Off by default until measured on the GPU
+(`bench/engine.py --fuse`); tests/target/test_fused.py checks the compiled functions against
+the eager ones."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+_enabled = False
+
+
+def enable(on: bool = True) -> None:
+    """Compile the functions below for CUDA tensors from now on (the first call per shape
+    family compiles: do it before capturing CUDA graphs, as their warm-up does)."""
+    global _enabled
+    _enabled = on
+
+
+def fusable(fn: Callable) -> Callable:
+    compiled = None
+
+    @functools.wraps(fn)
+    def run(x: torch.Tensor, *args, **kwargs):
+        nonlocal compiled
+        if _enabled and x.is_cuda:
+            if compiled is None:
+                compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            return compiled(x, *args, **kwargs)
+        return fn(x, *args, **kwargs)
+
+    run.compile = lambda: torch.compile(fn, dynamic=True, fullgraph=True)  # (tests)
+    run.eager = fn
+    return run
+
+
+@fusable
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: x·rsqrt(mean x² + eps)·(1 + w), in fp32."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+@fusable
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """The Gated DeltaNet output norm: plain weight, then ·silu(z)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(x.dtype)
+    return (h * F.silu(z.float())).to(x.dtype)
+
+
+@fusable
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """β = sigmoid(b) and the log-decay g = −exp(A_log)·softplus(a + dt_bias), fp32."""
+    beta = b.float().sigmoid()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, beta
+
+
+@fusable
+def gdn_split_heads(conv_out: torch.Tensor, key_dim: int, num_k_heads: int, head_k_dim: int,
+                    num_v_heads: int, head_v_dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """conv_out [..., 2·key_dim + value_dim] → q, k [..., Hv, Dk] (fp32, L2-normalised, q
+    scaled by Dk^−½, key heads repeated to the value heads), v [..., Hv, Dv]."""
+    q, k, v = torch.split(conv_out, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
+    lead = conv_out.shape[:-1]
+    q = q.reshape(*lead, num_k_heads, head_k_dim).float()
+    k = k.reshape(*lead, num_k_heads, head_k_dim).float()
+    v = v.reshape(*lead, num_v_heads, head_v_dim)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * head_k_dim**-0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    ratio = num_v_heads // num_k_heads  # value head j reads key head j // ratio
+    return q.repeat_interleave(ratio, -2), k.repeat_interleave(ratio, -2), v
+
+
+@fusable
+def moe_route(router_logits: torch.Tensor, top_k: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax in fp32 → top-k → renormalised weights (in dtype) and expert ids."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return (weights / weights.sum(-1, keepdim=True)).to(dtype), ids
+
+
+@fusable
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over a fused [gate | up] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@fusable
+def shared_expert_combine(routed: torch.Tensor, shared: torch.Tensor,
+                          gate_logit: torch.Tensor) -> torch.Tensor:
+    return routed + shared * torch.sigmoid(gate_logit)
+
+
+@fusable
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return o * torch.sigmoid(gate)
+
+
+@fusable
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         rotary_dim: int) -> torch.Tensor:
+    """NeoX RoPE on the first rotary_dim dims of each head; x [T, heads, D], cos/sin
+    [T, 1, rotary_dim] fp32."""
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    return torch.cat([out, rest], dim=-1)

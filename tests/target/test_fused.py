@@ -1,0 +1,70 @@
+"""The fusable elementwise functions (target/kernels/fused.py), compiled by torch.compile with
+dynamic shapes, equal their eager selves — on CPU (inductor's C++ backend) here, on CUDA
+(Triton) in the gpu case; and one compiled function serves two token counts (dynamic shapes:
+each layer and batch size reuses it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from target.kernels import fused
+
+
+def cases(device: str):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    h, t = 64, 5
+    return [
+        (fused.rms_norm, (r(t, h), r(h) * 0.1, 1e-6)),
+        (fused.gated_rms_norm, (r(t, 4, 16), r(t, 4, 16), r(16), 1e-6)),
+        (fused.gdn_gates, (r(t, 4), r(t, 4), r(4, dtype=torch.float32),
+                           r(4, dtype=torch.float32))),
+        (fused.gdn_split_heads, (r(2, t, 2 * 32 + 64), 32, 2, 16, 4, 16)),
+        (fused.moe_route, (r(t, 8), 2, torch.bfloat16)),
+        (fused.silu_mul, (r(t, 2 * h),)),
+        (fused.shared_expert_combine, (r(t, h), r(t, h), r(t, 1))),
+        (fused.sigmoid_gate, (r(t, h), r(t, h))),
+        (fused.rope, (r(t, 4, 32), r(t, 1, 16, dtype=torch.float32),
+                      r(t, 1, 16, dtype=torch.float32), 16)),
+    ]
+
+
+def check(device: str) -> None:
+    for fn, args in cases(device):
+        compiled = fn.compile()
+        want = fn.eager(*args)
+        got = compiled(*args)
+        for a, b in zip(got if isinstance(got, tuple) else (got,),
+                        want if isinstance(want, tuple) else (want,), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape, fn.__name__
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2,
+                                       msg=fn.__name__)
+        # another token count through the same compiled function
+        more = [torch.cat([a, a[:1]]) if isinstance(a, torch.Tensor) and a.dim() > 1
+                and a.shape[0] == args[0].shape[0] else a for a in args]
+        out = compiled(*more)
+        first = out[0] if isinstance(out, tuple) else out
+        assert first.shape[0] == args[0].shape[0] + 1, fn.__name__
+
+
+def test_compiled_fusions_equal_eager_on_cpu():
+    check("cpu")
+
+
+@pytest.mark.gpu
+def test_compiled_fusions_equal_eager_on_cuda():
+    check("cuda")
+
+
+def test_enable_routes_only_cuda_tensors_through_the_compiler():
+    x, w = torch.randn(3, 8), torch.zeros(8)
+    fused.enable()
+    try:  # CPU tensors stay eager: the same values as the reference, no compile
+        torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), fused.rms_norm.eager(x, w, 1e-6),
+                                   atol=0, rtol=0)
+    finally:
+        fused.enable(False)
