@@ -10,6 +10,7 @@ from torch import nn
 from configs.model import TargetConfig
 from draft.config import DraftConfig
 from draft.model import DFlashDraftModel
+from target.layers.gdn import IN_PROJ_PARTS
 from target.model import Qwen3_5MoeForCausalLM
 
 
@@ -64,11 +65,17 @@ def transformers_twin(ours: Qwen3_5MoeForCausalLM, raw: dict) -> nn.Module:
     for name, p in list(hf.named_parameters()):
         owner_name, leaf = name.rsplit(".", 1)
         owner = hf.get_submodule(owner_name)
+        part = owner_name.rsplit(".", 1)[-1]
         if ".shared_expert." in name and leaf == "weight" and (
                 owner_name.endswith(("gate_proj", "up_proj"))):
             fused = ours_params[owner_name.rsplit(".", 1)[0] + ".gate_up_proj.weight"]
             half = fused.shape[0] // 2
             src = fused[:half] if owner_name.endswith("gate_proj") else fused[half:]
+        elif part in IN_PROJ_PARTS:  # our GDN in_proj rows: [q | k | v | z | b | a]
+            gdn = ours.get_submodule(owner_name.rsplit(".", 1)[0])
+            sizes, segs = gdn.in_proj.local_sizes, IN_PROJ_PARTS[part]
+            start = sum(sizes[: segs[0]])
+            src = gdn.in_proj.weight[start : start + sum(sizes[i] for i in segs)]
         else:
             src = ours_params[name]
         if src.shape != p.shape:

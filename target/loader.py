@@ -19,12 +19,14 @@ from safetensors import safe_open
 from configs.model import TargetConfig
 from target.distributed import SINGLE, TPGroup
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from target.layers.gdn import IN_PROJ_PARTS
 from target.model import Qwen3_5MoeForCausalLM
 from target.weights import SafetensorsSource, WeightSource
 
 SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _SHARED = re.compile(r"^(.*\.mlp\.shared_expert)\.(gate|up)_proj\.weight$")
+_GDN_IN = re.compile(r"^(.*\.linear_attn)\.(in_proj_(?:qkv|z|b|a))\.weight$")
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -57,6 +59,8 @@ def param_target(key: str) -> tuple[str, object] | None:
         return f"{prefix}.{name}", (expert, which)
     if m := _SHARED.match(key):
         return f"{m.group(1)}.gate_up_proj.weight", 0 if m.group(2) == "gate" else 1
+    if m := _GDN_IN.match(key):
+        return f"{m.group(1)}.in_proj.weight", IN_PROJ_PARTS[m.group(2)]
     return key, None
 
 
@@ -70,6 +74,8 @@ def _expected_shards(name: str, cfg: TargetConfig) -> set | None:
         return {(e, "down") for e in experts}
     if name.endswith("shared_expert.gate_up_proj.weight"):
         return {0, 1}
+    if name.endswith("linear_attn.in_proj.weight"):
+        return set(IN_PROJ_PARTS.values())
     return None
 
 
@@ -101,7 +107,11 @@ def load_weights(model: Qwen3_5MoeForCausalLM, model_dir: str | Path) -> None:
         need = _expected_shards(name, cfg)
         if None in got or (need is not None and need <= got):
             continue
-        if need is not None and got:
+        if name.endswith("linear_attn.in_proj.weight"):  # name the checkpoint's tensors
+            prefix = name.removesuffix("in_proj.weight")
+            missing += [f"{prefix}{part}.weight" for part, seg in IN_PROJ_PARTS.items()
+                        if seg not in got]
+        elif need is not None and got:
             gaps = sorted(need - got, key=str)[:4]
             missing.append(f"{name} (missing parts: {', '.join(map(str, gaps))})")
         else:

@@ -44,6 +44,11 @@ class GDNBlockJournal:
     beta: torch.Tensor  # [S, L, H] fp32
 
 
+# Checkpoint tensor → the segments of GatedDeltaNet.in_proj it fills.
+IN_PROJ_PARTS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": (3,), "in_proj_b": (4,),
+                 "in_proj_a": (5,)}
+
+
 class GatedDeltaNet(nn.Module):
     # Rounds (every sequence verifies the same L tokens) run batched; False forces the
     # per-sequence path, which mixed batches always take (tests compare the two).
@@ -64,11 +69,13 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = sum(self.local_segments)
         self.kernel = cfg.linear_conv_kernel_dim
 
-        h = cfg.hidden_size
-        self.in_proj_qkv = ColumnParallelLinear(h, self.segments, tp, dtype)
-        self.in_proj_z = ColumnParallelLinear(h, [value_dim], tp, dtype)
-        self.in_proj_b = ColumnParallelLinear(h, [cfg.linear_num_value_heads], tp, dtype)
-        self.in_proj_a = ColumnParallelLinear(h, [cfg.linear_num_value_heads], tp, dtype)
+        h, heads = cfg.hidden_size, cfg.linear_num_value_heads
+        # The four input projections as one GEMM: rows [q | k | v | z | b | a] (each segment
+        # split over ranks); the checkpoint's in_proj_qkv / _z / _b / _a load into their
+        # segments (IN_PROJ_PARTS).
+        self.in_proj = ColumnParallelLinear(h, [*self.segments, value_dim, heads, heads], tp,
+                                            dtype)
+        self.in_proj_splits = [self.conv_dim, *self.in_proj.local_sizes[3:]]
         self.conv1d = nn.Module()  # holds `weight` [C, 1, K] so names match the checkpoint
         conv = torch.empty(self.conv_dim, 1, self.kernel, dtype=dtype)
         self.conv1d.weight = nn.Parameter(conv, False)
@@ -92,10 +99,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: TargetCaches) -> torch.Tensor:
         # x [T, hidden]
-        mixed_qkv = self.in_proj_qkv(x)  # [T, C]
-        z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
-        g, beta = fused.gdn_gates(self.in_proj_b(x), self.in_proj_a(x), self.A_log,
-                                  self.dt_bias)  # [T, H] fp32 each
+        mixed_qkv, z, b, a = self.in_proj(x).split(self.in_proj_splits, dim=-1)  # [T, C] …
+        z = z.reshape(-1, self.num_v_heads, self.head_v_dim)
+        g, beta = fused.gdn_gates(b, a, self.A_log, self.dt_bias)  # [T, H] fp32 each
         conv_cache, ssm_cache = caches.conv[self.layer_idx], caches.ssm[self.layer_idx]
         weight = self.conv1d.weight[:, 0, :]
         journal = batch.journal.setdefault(self.layer_idx, [])

@@ -57,9 +57,15 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local_out, in_features, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: int | None = None):
-        segments = range(len(self.output_sizes)) if shard_id is None else [shard_id]
-        full = sum(self.output_sizes) if shard_id is None else self.output_sizes[shard_id]
+    def weight_loader(self, param: nn.Parameter, src: WeightSource,
+                      shard_id: int | tuple[int, ...] | None = None):
+        """`src` holds all segments (None), one (an int), or consecutive ones (a tuple: one
+        checkpoint tensor feeding several segments, e.g. in_proj_qkv into [q, k, v, …])."""
+        if shard_id is None:
+            segments = tuple(range(len(self.output_sizes)))
+        else:
+            segments = shard_id if isinstance(shard_id, tuple) else (shard_id,)
+        full = sum(self.output_sizes[i] for i in segments)
         expect_shape(src, (full, *param.shape[1:]))
         src_off = 0
         for i in segments:

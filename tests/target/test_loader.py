@@ -144,6 +144,9 @@ def test_index_names_a_missing_shard(tiny_models, tmp_path):
     "key, param",
     [
         ("model.layers.0.linear_attn.A_log", "model.layers.0.linear_attn.A_log"),
+        # (loaded into in_proj's z rows: the message names the checkpoint tensor)
+        ("model.layers.1.linear_attn.in_proj_z.weight",
+         "model.layers.1.linear_attn.in_proj_z.weight"),
         ("model.layers.2.mlp.experts.5.up_proj.weight", "model.layers.2.mlp.experts.gate_up_proj"),
         ("model.layers.6.mlp.experts.0.down_proj.weight", "model.layers.6.mlp.experts.down_proj"),
         ("model.layers.3.self_attn.q_norm.weight", "model.layers.3.self_attn.q_norm.weight"),

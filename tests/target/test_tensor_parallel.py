@@ -104,10 +104,12 @@ def expected_shard(name: str, full: torch.Tensor, cfg: TargetConfig, tp: TPGroup
     r, n = tp.rank, tp.size
     key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):
+    if name.endswith("linear_attn.conv1d.weight"):
         return _split_segments(full, [key, key, value], 0, n, r)
-    if name.endswith(("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "A_log",
-                      "dt_bias", "self_attn.q_proj.weight", "embed_tokens.weight",
+    if name.endswith("linear_attn.in_proj.weight"):  # [q | k | v | z | b | a] rows
+        heads = cfg.linear_num_value_heads
+        return _split_segments(full, [key, key, value, value, heads, heads], 0, n, r)
+    if name.endswith(("A_log", "dt_bias", "self_attn.q_proj.weight", "embed_tokens.weight",
                       "lm_head.weight")):
         return _split(full, 0, n, r)  # q_proj rows are per head [query | gate]: gates follow
     if name.endswith(("out_proj.weight", "o_proj.weight", "shared_expert.down_proj.weight")):
@@ -143,10 +145,10 @@ def test_each_rank_holds_only_its_shard(tiny_models, layout, size):
 def test_rank1_of_tp2_gdn_qkv_rows(tiny_models):
     # The worked example: in_proj_qkv [q 64 | k 64 | v 128] rows; rank 1 holds the second half
     # of each segment, not rows 128…255 of the fused tensor.
-    full = load_target(tiny_models / "target").model.layers[0].linear_attn.in_proj_qkv.weight
+    # (in_proj holds [q | k | v | z | b | a]: the qkv rows come first, locally and in full.)
+    full = load_target(tiny_models / "target").model.layers[0].linear_attn.in_proj.weight
     shard = load_target(tiny_models / "target-published", tp=TPGroup(rank=1, size=2))
-    mine = shard.model.layers[0].linear_attn.in_proj_qkv.weight
-    assert mine.shape == (128, 64)
+    mine = shard.model.layers[0].linear_attn.in_proj.weight[:128]
     torch.testing.assert_close(mine, torch.cat([full[32:64], full[96:128], full[192:256]]),
                                atol=0, rtol=0)
 
