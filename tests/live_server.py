@@ -1,5 +1,5 @@
 """Test support (on pytest's pythonpath): an ASGI app served by uvicorn on 127.0.0.1 in a
-thread, and a Prometheus scrape of its /metrics."""
+thread, a Prometheus scrape of its /metrics, and a wait until the engine is idle."""
 
 from __future__ import annotations
 
@@ -38,3 +38,17 @@ def scrape_metrics(base_url: str, timeout: float = 30) -> dict[tuple[str, tuple]
     text = httpx.get(f"{base_url}/metrics", timeout=timeout).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def wait_until_idle(base_url: str, timeout: float,
+                    poll: float = 0.05) -> dict[tuple[str, tuple], float]:
+    """Scrapes until no request runs or waits and the KV cache is empty; returns that scrape."""
+    deadline = time.monotonic() + timeout
+    idle = {("dflash_num_requests_running", ()), ("dflash_num_requests_waiting", ()),
+            ("dflash_kv_cache_usage_ratio", ())}
+    while True:
+        m = scrape_metrics(base_url)
+        if all(m[key] == 0 for key in idle):
+            return m
+        assert time.monotonic() < deadline, "the engine did not return to idle"
+        time.sleep(poll)

@@ -5,14 +5,13 @@ target-only greedy decoding token for token; errors come back as OpenAI's error 
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import httpx2 as httpx
 import openai
 import pytest
 import torch
-from live_server import scrape_metrics, serve_in_thread
+from live_server import scrape_metrics, serve_in_thread, wait_until_idle
 
 from cluster.engine import LLMEngine
 from configs.engine import EngineConfig, SamplingParams
@@ -61,14 +60,7 @@ def metrics(server) -> dict[tuple[str, tuple], float]:
 
 
 def wait_idle(server, timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server)
-        if m[("dflash_num_requests_running", ())] == 0 and \
-                m[("dflash_kv_cache_usage_ratio", ())] == 0:
-            return m
-        assert time.monotonic() < deadline, "the engine did not return to idle"
-        time.sleep(0.05)
+    return wait_until_idle(server["url"], timeout)
 
 
 def test_text_stream_releases_only_stable_text(server):

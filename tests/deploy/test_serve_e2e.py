@@ -15,7 +15,7 @@ import httpx2 as httpx
 import openai
 import pytest
 import ray
-from live_server import scrape_metrics
+from live_server import scrape_metrics, wait_until_idle
 from ray import serve
 
 from cluster.engine import LLMEngine
@@ -72,15 +72,7 @@ def metrics(app) -> dict[tuple[str, tuple], float]:
 
 
 def wait_idle(app, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(app)
-        if m[("dflash_num_requests_running", ())] == 0 and \
-                m[("dflash_num_requests_waiting", ())] == 0 and \
-                m[("dflash_kv_cache_usage_ratio", ())] == 0:
-            return m
-        assert time.monotonic() < deadline, "the engine did not return to idle"
-        time.sleep(0.1)
+    return wait_until_idle(app["url"], timeout, poll=0.1)
 
 
 def wait_healthy(app, timeout: float = 120.0) -> None:
