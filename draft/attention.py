@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from target.kernels.attention import sdpa_masked
+from target.kernels.attention import gqa_attention
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
@@ -82,10 +82,10 @@ def block_mask(
     is_causal: bool,
     window: int | None,
 ) -> Tensor:
-    # query_pos [S, B], key_pos/key_valid [S, K] -> bool [S, 1, B, K] (True = attend);
+    # query_pos [S, B], key_pos/key_valid [S, K] -> bool [S, B, K] (True = attend);
     # the rule of the reference's `_attention_mask`, on absolute positions
     p, k = query_pos[:, :, None], key_pos[:, None, :]
-    return (key_valid[:, None, :] & key_visible(p, k, is_causal, window))[:, None]
+    return key_valid[:, None, :] & key_visible(p, k, is_causal, window)
 
 
 def key_visible(q_pos: Tensor, key_pos: Tensor, is_causal: bool, window: int | None) -> Tensor:
@@ -126,17 +126,9 @@ def paged_block_attention(
     key_valid = torch.cat([ctx_valid, torch.ones_like(block_pos, dtype=torch.bool)], dim=1)
     mask = block_mask(block_pos, key_pos, key_valid, is_causal, window)
 
-    kv_heads, dim = k_block.shape[2], q.shape[3]
-    groups = q.shape[2] // kv_heads  # GQA: query head h reads kv head h // groups
     k = torch.cat([k_ctx.to(k_block.dtype), k_block], dim=1).transpose(1, 2)  # [S, Hkv, K, D]
     v = torch.cat([v_ctx.to(v_block.dtype), v_block], dim=1).transpose(1, 2)
-    # Each kv head's query heads stacked as rows (row g·B + b: block position b of head
-    # kv·G + g), so K/V are read once per kv head instead of repeated per query head.
-    qq = q.view(num_seqs, block_len, kv_heads, groups, dim).permute(0, 2, 3, 1, 4)
-    qq = qq.reshape(num_seqs, kv_heads, groups * block_len, dim)
-    out = sdpa_masked(qq, k, v, mask.repeat(1, 1, groups, 1), scale)  # [S, Hkv, G·B, D]
-    out = out.view(num_seqs, kv_heads, groups, block_len, dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_seqs, block_len, *q.shape[2:])
+    return gqa_attention(q, k, v, mask, scale)
 
 
 def paged_block_attention_flex(

@@ -15,10 +15,23 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 _MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                scale: float) -> torch.Tensor:
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Masked GQA attention with each kv head's query heads stacked as rows, so K/V are read
+    once per kv head instead of repeated per query head (query head h reads kv head h // G).
+    q [S, W, Hq, D]; k, v [S, Hkv, K, D]; mask [S, W, K] bool (True = attend). Returns
+    [S, W, Hq, D]."""
+    n_seqs, width, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    # [S, W, Hkv, G, D] → [S, Hkv, G·W, D]: row g·W + w is query w of head kv·G + g
+    qq = q.reshape(n_seqs, width, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    qq = qq.reshape(n_seqs, kv_heads, group * width, dim)
+    rows_mask = mask.repeat(1, group, 1)[:, None]  # [S, 1, G·W, K]
     with sdpa_kernel(_MASKED_BACKENDS):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(qq, k, v, attn_mask=rows_mask, scale=scale)
+    o = o.view(n_seqs, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4)
+    return o.reshape(n_seqs, width, heads, dim)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -70,21 +83,15 @@ def paged_attention_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     """A uniform round without host values (CUDA-graph capturable): q [S·W, Hq, D], the last W
     positions of each sequence (seq_lens [S] include them, their K/V stored); all of
     block_tables [S, P] is gathered (P·page keys; positions the query may not see, stale
-    pages past a sequence's end included, are masked). One SDPA over the kv heads, each
-    group's queries stacked as rows, so K/V are not repeated per query head."""
+    pages past a sequence's end included, are masked)."""
     n_seqs, n_pages = block_tables.shape
     _, page, kv_heads, dim = k_cache.shape
-    heads, width = q.shape[1], q.shape[0] // n_seqs
-    group, keys = heads // kv_heads, n_pages * page
+    width, keys = q.shape[0] // n_seqs, n_pages * page
     pages = block_tables.long()
     k = k_cache[pages].view(n_seqs, keys, kv_heads, dim).transpose(1, 2)  # [S, Hkv, C, D]
     v = v_cache[pages].view(n_seqs, keys, kv_heads, dim).transpose(1, 2)
-    # [S, W, Hkv, G, D] → [S, Hkv, G·W, D]: row g·W + w is query w of head kv·G + g
-    qq = q.view(n_seqs, width, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-    qq = qq.reshape(n_seqs, kv_heads, group * width, dim)
     q_pos = seq_lens[:, None] - width + torch.arange(width, device=q.device)  # [S, W]
     mask = torch.arange(keys, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [S, W, C]
-    mask = mask.repeat(1, group, 1)[:, None]  # [S, 1, G·W, C]
-    o = sdpa_masked(qq, k.to(q.dtype), v.to(q.dtype), mask, scale)
-    o = o.view(n_seqs, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4)
-    return o.reshape(n_seqs * width, heads, dim)
+    o = gqa_attention(q.view(n_seqs, width, *q.shape[1:]), k.to(q.dtype), v.to(q.dtype), mask,
+                      scale)
+    return o.reshape(q.shape)
