@@ -1,5 +1,6 @@
-"""CUDA graphs for the fixed-shape steps: the target's round (S sequences × W tokens: forward +
-logits, then the commit of the accepted prefix) and the draft's proposal. Uniform rounds make
+"""CUDA graphs for the fixed-shape steps: the target's round (S sequences × W tokens: the
+forward to the final hidden states, then the commit of the accepted prefix) and the draft's
+proposal. Uniform rounds make
 the shapes depend only on (S, W) and the block-table width P, so each is captured once per
 (batch bucket, W, page bucket), lazily, and replayed with its inputs copied into static
 buffers: one launch instead of thousands. Attention gathers all P pages of every sequence
