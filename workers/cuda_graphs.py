@@ -124,9 +124,10 @@ def capture_or_log(capture: Callable[[], object], what: str, key: tuple, failed:
 
 
 class _RoundStep:
-    """One (S, W) bucket: the forward graph and the commit graph reading its journal."""
+    """One (S, W) bucket: the forward graph and the commit graph reading its journal (none for
+    W = 1: those rounds commit in the forward)."""
 
-    def __init__(self, forward: CapturedCall, commit: CapturedCall):
+    def __init__(self, forward: CapturedCall, commit: CapturedCall | None):
         self.forward, self.commit = forward, commit
 
 
@@ -188,11 +189,18 @@ class RoundGraphs:
         self._current = (step, n_seqs, padded)
         return hidden, aux, batch
 
-    def commit(self, num_kept: list[int]) -> None:
+    def commit(self, num_kept: list[int] | torch.Tensor) -> None:
+        """num_kept per real sequence: a host list, or a device tensor (no sync: the GPU goes
+        on from acceptance to the commit)."""
         step, n_seqs, padded = self._current
-        kept = torch.tensor(num_kept + [0] * (padded - n_seqs), dtype=torch.long)
-        step.commit(num_kept=kept)
         self._current = None
+        if step.commit is None:
+            return
+        if isinstance(num_kept, torch.Tensor):
+            kept = torch.nn.functional.pad(num_kept.long(), (0, padded - n_seqs))
+        else:
+            kept = torch.tensor(num_kept + [0] * (padded - n_seqs), dtype=torch.long)
+        step.commit(num_kept=kept)
 
     def _pad(self, host: dict[str, torch.Tensor], n_seqs: int, padded: int, width: int,
              pages: int) -> dict[str, torch.Tensor]:
@@ -214,7 +222,11 @@ class RoundGraphs:
         }
 
     def _capture(self, padded: int, width: int, host: dict[str, torch.Tensor]) -> _RoundStep:
-        static = {name: t.to(self.device) for name, t in host.items()}
+        static = {name: t.to(self.device, copy=True) for name, t in host.items()}
+        # Warm-up, capture and the journal-filling replay run on these inputs before the real
+        # call: every sequence points at the scratch GDN slot, so a one-token round (which
+        # commits its states in place) cannot advance a real sequence's state early.
+        static["state_slots"].fill_(self.scratch_slot)
 
         def batch_of(inputs: dict[str, torch.Tensor]) -> ForwardBatch:
             # Host lists a captured forward may not read are None (kernels read the tensors).
@@ -234,6 +246,8 @@ class RoundGraphs:
         fwd = CapturedCall(forward, static, self.pool)
         if fwd.graph is not None:  # capture ran nothing: fill the journal the commit reads
             fwd.graph.replay()
+        if width == 1:  # a one-token round commits in its forward: nothing to capture
+            return _RoundStep(fwd, None)
         kept = {"num_kept": torch.zeros(padded, dtype=torch.long, device=self.device)}
         # Over the forward's journal (fixed once captured). Warmed up with num_kept = 0, which
         # leaves every state exactly as it was (given a journal of finite values: above).

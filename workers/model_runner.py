@@ -3,6 +3,7 @@ commit of the accepted prefix (KV stays, GDN state is replayed). One per TP rank
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,11 +142,14 @@ class ModelRunner:
         return StepOutput(new_tokens, [0] * len(seqs), batch.query_lens, aux, batch.positions)
 
     @staticmethod
-    def _accept_greedy(seqs: list[SeqInput], batch: ForwardBatch,
-                       logits: torch.Tensor) -> dict[int, tuple[int, int]]:
+    def _accept_greedy(seqs: list[SeqInput], batch: ForwardBatch, logits: torch.Tensor,
+                       commit: Callable[[torch.Tensor], None] | None = None
+                       ) -> dict[int, tuple[int, int]]:
         """Greedy acceptance of every greedy sequence at once, read back with one host sync;
         {index in seqs: (accepted, bonus)}. Rounds verify B tokens for every sequence, so the
-        blocks stack; a batch of mixed lengths leaves the rest to the per-sequence path."""
+        blocks stack; a batch of mixed lengths leaves the rest to the per-sequence path. With
+        `commit` (every sequence greedy), the kept counts go to it as a device tensor before
+        that sync, so the GPU moves on to the commit without waiting for the host."""
         idx = [i for i, s in enumerate(seqs) if s.params.greedy]
         if not idx or len({len(seqs[i].token_ids) for i in idx}) != 1:
             return {}
@@ -160,6 +164,8 @@ class ModelRunner:
             ids, block_logits = batch.input_ids[rows], logits[rows]
         # ids [S, B]: the anchor, then the drafts
         n, bonus = sampling.accept_greedy_batch(ids[:, 1:], block_logits)
+        if commit is not None and len(idx) == len(seqs):
+            commit(n + 1)
         pairs = torch.stack([n, bonus], 1).tolist()
         return {i: (a, b) for i, (a, b) in zip(idx, pairs, strict=True)}
 
@@ -202,7 +208,14 @@ class ModelRunner:
             def commit(num_kept: list[int]) -> None:
                 self.model.commit_verify(batch, self.caches, num_kept)
         cu = batch.cu_seqlens
-        decided = self._accept_greedy(seqs, batch, logits)
+        committed_early: list[torch.Tensor] = []
+
+        def commit_early(kept: torch.Tensor) -> None:
+            graphs.commit(kept)
+            committed_early.append(kept)
+
+        decided = self._accept_greedy(seqs, batch, logits,
+                                      commit_early if captured is not None else None)
         decided.update(self._accept_sampled(seqs, batch, logits))
         new_tokens, num_accepted, kept_rows = [], [], []
         for i, s in enumerate(seqs):
@@ -218,7 +231,8 @@ class ModelRunner:
             new_tokens.append(s.token_ids[1 : n + 1] + [bonus])
             num_accepted.append(n)
             kept_rows.append(torch.arange(cu[i], cu[i] + n + 1))
-        commit([n + 1 for n in num_accepted])
+        if not committed_early:
+            commit([n + 1 for n in num_accepted])
         rows = torch.cat(kept_rows).to(aux.device)
         committed = [n + 1 for n in num_accepted]
         return StepOutput(new_tokens, num_accepted, committed, aux[rows], batch.positions[rows])

@@ -29,7 +29,7 @@ class GDNJournalEntry:
     k: torch.Tensor  # [B, H, Dk] L2-normalised, expanded to value heads
     v: torch.Tensor  # [B, H, Dv]
     g: torch.Tensor  # [B, H] fp32 log-decay
-    beta: torch.Tensor  # [B, H] fp32
+    beta: torch.Tensor  # [B, H] (the recurrence dtype: bf16 on fla, else fp32)
 
 
 @dataclass
@@ -41,7 +41,7 @@ class GDNBlockJournal:
     k: torch.Tensor  # [S, L, H, Dk]
     v: torch.Tensor  # [S, L, H, Dv]
     g: torch.Tensor  # [S, L, H] fp32
-    beta: torch.Tensor  # [S, L, H] fp32
+    beta: torch.Tensor  # [S, L, H] (as above)
 
 
 # Checkpoint tensor → the segments of GatedDeltaNet.in_proj it fills.
@@ -101,7 +101,8 @@ class GatedDeltaNet(nn.Module):
         # x [T, hidden]
         mixed_qkv, z, b, a = self.in_proj(x).split(self.in_proj_splits, dim=-1)  # [T, C] …
         z = z.reshape(-1, self.num_v_heads, self.head_v_dim)
-        g, beta = fused.gdn_gates(b, a, self.A_log, self.dt_bias)  # [T, H] fp32 each
+        # [T, H]: g fp32, β in the recurrence's dtype
+        g, beta = fused.gdn_gates(b, a, self.A_log, self.dt_bias, gdn.recurrence_dtype(x))
         conv_cache, ssm_cache = caches.conv[self.layer_idx], caches.ssm[self.layer_idx]
         weight = self.conv1d.weight[:, 0, :]
         journal = batch.journal.setdefault(self.layer_idx, [])
@@ -131,28 +132,36 @@ class GatedDeltaNet(nn.Module):
                       journal) -> torch.Tensor:
         """Every sequence verifies L tokens: one batched conv and one batched recurrence (one
         fla call on CUDA) instead of a loop over sequences. Reads the committed states, writes
-        nothing; journals the block for `commit`. Returns o [S·L, H, Dv]."""
+        nothing; journals the block for `commit`. L = 1 (plain decode: the token is always
+        kept) writes the new states in place instead. Returns o [S·L, H, Dv]."""
         n_seqs, width = batch.num_seqs, batch.query_lens[0]
         slots = batch.state_slots_t
         x = mixed_qkv.view(n_seqs, width, -1)  # [S, L, C]
         conv_out, conv_seq = gdn.causal_conv_batched(x, conv_cache[slots], weight)
         q, k, v = self._split_heads(conv_out)  # [S, L, H, D]
         g, beta = g.view(n_seqs, width, -1), beta.view(n_seqs, width, -1)
-        o, _ = gdn.gated_delta_rule_batched(q, k, v, g, beta, ssm_cache[slots])
-        journal.append(GDNBlockJournal(slots, conv_seq, k, v, g, beta))
+        o, final = gdn.gated_delta_rule_batched(q, k, v, g, beta, ssm_cache[slots])
+        if width == 1:  # autoregressive decode: its one token is always kept, commit in place
+            conv_cache[slots] = conv_seq[:, :, 1:].to(conv_cache.dtype)
+            ssm_cache[slots] = final.to(ssm_cache.dtype)
+        else:
+            journal.append(GDNBlockJournal(slots, conv_seq, k, v, g, beta))
         return o.reshape(n_seqs * width, *o.shape[2:])
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # conv_out [..., C] → q, k [..., Hv, Dk] (normalised, q scaled, key heads expanded to
         # the value heads), v [..., Hv, Dv]
         return fused.gdn_split_heads(conv_out, self.local_segments[0], self.num_k_heads,
-                                     self.head_k_dim, self.num_v_heads, self.head_v_dim)
+                                     self.head_k_dim, self.num_v_heads, self.head_v_dim,
+                                     gdn.recurrence_dtype(conv_out))
 
     def commit(self, batch: ForwardBatch, caches: TargetCaches, num_kept: list[int]) -> None:
         """Advance each verify sequence's committed state over the first num_kept tokens."""
         conv_cache, ssm_cache = caches.conv[self.layer_idx], caches.ssm[self.layer_idx]
         entries = batch.journal.get(self.layer_idx, [])
-        if entries and isinstance(entries[0], GDNBlockJournal):
+        if not entries:  # nothing held back (a one-token round committed in its forward)
+            return
+        if isinstance(entries[0], GDNBlockJournal):
             self._commit_round(entries[0], conv_cache, ssm_cache, num_kept)
             return
         entries = iter(entries)

@@ -1,7 +1,8 @@
 """A uniform round (every sequence verifies L tokens) runs the Gated DeltaNet batched: one
 conv and one recurrence for all sequences, and a masked batched replay at commit. It must give
 the per-sequence path's logits and leave the same conv/recurrent states, for every kept count
-(0 accepted drafts … all), with sequences at different context lengths."""
+(0 accepted drafts … all), with sequences at different context lengths. One-token rounds
+(plain decode) commit their states in the forward itself."""
 
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ from target_harness import TargetHarness
 
 from target.layers.gdn import GatedDeltaNet
 
-L = 5
 
-
-def run(harness: TargetHarness, batched: bool, kept: list[int]):
+def run(harness: TargetHarness, batched: bool, kept: list[int], L: int):
     for m in harness.model.modules():
         if isinstance(m, GatedDeltaNet):
             m.batched_rounds = batched
@@ -31,16 +30,18 @@ def run(harness: TargetHarness, batched: bool, kept: list[int]):
     after = [torch.randint(0, 300, (L,), generator=g).tolist() for _ in prompts]
     second = harness.logits([harness.seq(i, a, len(prompts[i]) + kept[i], tables[i], slots[i])
                              for i, a in enumerate(after)], verify=True)
+    harness.commit(kept)
     layers = harness.model.config.linear_attention_layers
     states = [(harness.caches.conv[i][slots].clone(), harness.caches.ssm[i][slots].clone())
               for i in layers]
     return first, second, states
 
 
-def test_batched_round_equals_per_sequence(tiny_models):
-    for kept in ([1, 3, 5], [5, 1, 2], [2, 2, 2]):
-        got = run(TargetHarness(tiny_models / "target"), True, kept)
-        want = run(TargetHarness(tiny_models / "target"), False, kept)
+@pytest.mark.parametrize("L", [1, 5])
+def test_batched_round_equals_per_sequence(tiny_models, L):
+    for kept in ([1, 3, 5], [5, 1, 2], [2, 2, 2]) if L > 1 else ([1, 1, 1],):
+        got = run(TargetHarness(tiny_models / "target"), True, kept, L)
+        want = run(TargetHarness(tiny_models / "target"), False, kept, L)
         for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         for (conv_a, ssm_a), (conv_b, ssm_b) in zip(got[2], want[2], strict=True):
