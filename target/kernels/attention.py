@@ -15,23 +15,54 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 _MASKED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# Up to this many score elements (S·Hkv·rows·keys) GQA attention runs as two batched matmuls
+# around one masked softmax, scores materialised in fp32: at round sizes the memory-efficient
+# SDPA kernel took ~55 µs per call on the H200 at batch 1 for ~1 MB of K/V (profile in
+# docs/BENCHMARKS.md). Larger calls keep SDPA (scores would not fit comfortably).
+EXPLICIT_MAX_SCORES = 1 << 24
+_bmm_out_dtype: bool | None = None  # CUDA bmm with bf16 inputs → fp32 output (probed once)
+
+
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """Masked GQA attention with each kv head's query heads stacked as rows, so K/V are read
     once per kv head instead of repeated per query head (query head h reads kv head h // G).
-    q [S, W, Hq, D]; k, v [S, Hkv, K, D]; mask [S, W, K] bool (True = attend). Returns
-    [S, W, Hq, D]."""
+    q [S, W, Hq, D]; k, v [S, Hkv, K, D]; mask [S, W, K] bool (True = attend; every row must
+    see at least one key). Returns [S, W, Hq, D]."""
     n_seqs, width, heads, dim = q.shape
-    kv_heads = k.shape[1]
+    kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
     # [S, W, Hkv, G, D] → [S, Hkv, G·W, D]: row g·W + w is query w of head kv·G + g
     qq = q.reshape(n_seqs, width, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     qq = qq.reshape(n_seqs, kv_heads, group * width, dim)
     rows_mask = mask.repeat(1, group, 1)[:, None]  # [S, 1, G·W, K]
-    with sdpa_kernel(_MASKED_BACKENDS):
-        o = F.scaled_dot_product_attention(qq, k, v, attn_mask=rows_mask, scale=scale)
+    if n_seqs * kv_heads * group * width * keys <= EXPLICIT_MAX_SCORES:
+        scores = _scores_fp32(qq, k) * scale  # [S, Hkv, G·W, K]
+        probs = scores.masked_fill(~rows_mask, float("-inf")).softmax(-1)
+        o = torch.matmul(probs.to(v.dtype), v)
+    else:
+        with sdpa_kernel(_MASKED_BACKENDS):
+            o = F.scaled_dot_product_attention(qq, k, v, attn_mask=rows_mask, scale=scale)
     o = o.view(n_seqs, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4)
     return o.reshape(n_seqs, width, heads, dim)
+
+
+def _scores_fp32(qq: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """qq @ kᵀ in fp32: half-precision inputs accumulate and land in fp32 (CUDA's bmm with
+    out_dtype), not rounded to bf16 scores."""
+    global _bmm_out_dtype
+    kt = k.transpose(-1, -2)
+    if qq.dtype == torch.float32:
+        return torch.matmul(qq, kt)
+    if qq.is_cuda and _bmm_out_dtype is not False:
+        lead = qq.shape[:-2]
+        try:  # raises at dispatch (before any launch) where the overload is missing
+            out = torch.bmm(qq.flatten(0, -3), kt.flatten(0, -3), out_dtype=torch.float32)
+            _bmm_out_dtype = True
+            return out.view(*lead, *out.shape[-2:])
+        except (RuntimeError, NotImplementedError, TypeError):
+            _bmm_out_dtype = False
+    return torch.matmul(qq.float(), kt.float())
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,4 +1,5 @@
-"""The batched round attention kernels (gathered SDPA; FlexAttention over the paged cache) =
+"""The batched round attention kernels (gathered: explicit matmuls or SDPA; FlexAttention over
+the paged cache) =
 the per-sequence reference: pages interleaved and shuffled, junk in unused table entries,
 sequences at different lengths (partial last pages), GQA, B = 1 (decode) and B > 1 (verify);
 inside the model, verify logits are unchanged by switching either on."""
@@ -9,6 +10,7 @@ import pytest
 import torch
 from target_harness import TargetHarness
 
+from target.kernels import attention
 from target.kernels.attention import paged_attention, paged_attention_gathered
 from target.kernels.attention_flex import paged_attention_round, round_block_mask
 from target.layers.attention import GatedAttention
@@ -46,8 +48,16 @@ def test_flex_round_equals_the_reference(block):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(params=["explicit", "sdpa"])
+def gqa_path(request, monkeypatch):
+    """Both forms of gqa_attention: two matmuls around a softmax (small calls), SDPA (large)."""
+    if request.param == "sdpa":
+        monkeypatch.setattr(attention, "EXPLICIT_MAX_SCORES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("block", [1, 5, 16])
-def test_gathered_round_equals_the_reference(block):
+def test_gathered_round_equals_the_reference(block, gqa_path):
     q, k_cache, v_cache, lens, tables = case(block, "cpu")
     want = paged_attention(q, k_cache, v_cache, [block] * len(lens), lens, tables, 0.25)
     got = paged_attention_gathered(q, k_cache, v_cache, torch.tensor(lens), tables, 0.25)
@@ -56,7 +66,7 @@ def test_gathered_round_equals_the_reference(block):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [1, 16])
-def test_gathered_round_on_cuda_equals_the_reference(block):
+def test_gathered_round_on_cuda_equals_the_reference(block, gqa_path):
     q, k_cache, v_cache, lens, tables = case(block, "cuda", torch.bfloat16)
     want = paged_attention(q.float(), k_cache.float(), v_cache.float(), [block] * len(lens),
                            lens, tables, 0.25)
