@@ -1,5 +1,5 @@
-"""Where a step's time goes: torch.profiler over the decode step, a verify step and the draft's
-proposal (the same steps bench/engine.py times), on the random-weight model.
+"""Where a step's time goes: torch.profiler over the prefill, the decode step, a verify step and
+the draft's proposal (the same steps bench/engine.py times), on the random-weight model.
 
     python -m bench.profile_step --preset qwen3.5-35b-a3b --device cuda --batch 1 --block-size 16 \
         --out prof.txt
@@ -70,13 +70,14 @@ def main() -> None:
     p.add_argument("--attention", choices=["reference", "gathered", "flex"],
                    default="reference", help="eager rounds (captured ones use gathered)")
     p.add_argument("--draft-attention", choices=["reference", "flex"], default="reference")
-    p.add_argument("--fuse", action="store_true",
-                   help="compile the elementwise chains (target/kernels/fused.py)")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="leave the elementwise chains uncompiled (target/kernels/fused.py; the "
+                        "engine compiles them whenever it captures CUDA graphs)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--out", help="append the operator tables to this file")
     args = p.parse_args()
     GatedAttention.round_attention = args.attention
-    fused.enable(args.fuse)
+    fused.enable(not args.no_fuse and not args.enforce_eager)
     DraftAttention.flex_blocks = args.draft_attention == "flex"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     target = build_target(target_preset(args.preset), dtype, device)
@@ -90,6 +91,7 @@ def main() -> None:
                           device, graph_max_seqs=b if graphs else 0, graph_max_pages=batch.pages)
     drafter.write_context(out.aux, out.aux_positions, batch.tables, out.num_committed)
     steps = {
+        "prefill": batch.prefill,  # the same prompts again: num_cached back to prompt_len
         "decode": lambda: batch.verify([[]] * b),
         f"verify_B{B}": lambda: batch.verify(batch.random_drafts(B - 1)),
         f"draft_B{B}": lambda: drafter.propose(batch.anchors, batch.num_cached, batch.tables),

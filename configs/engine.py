@@ -57,7 +57,8 @@ class EngineConfig:
     # the KV pool gets what is left (unless num_kv_blocks is given). vLLM's name and default.
     gpu_memory_utilization: float = 0.9
     # GPU: rounds and proposals replay CUDA graphs per batch-size bucket (workers/
-    # cuda_graphs.py); True runs every step eagerly (vLLM's name).
+    # cuda_graphs.py) with the elementwise chains compiled (target/kernels/fused.py); True
+    # runs every step eagerly and uncompiled (vLLM's name).
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

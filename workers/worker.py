@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from configs.engine import EngineConfig, SamplingParams
 from target.distributed import TPGroup
+from target.kernels import fused
 from target.loader import load_target
 from target.model import Qwen3_5MoeForCausalLM
 from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
@@ -100,15 +101,17 @@ class TargetWorker:
                              bytes_per_state_slot(self.model))
 
     def allocate(self, num_kv_blocks: int) -> None:
-        """Caches and runner; on CUDA (unless enforce_eager) rounds replay CUDA graphs, and the
-        caches hold scratch pages and a scratch state slot for their padding sequences."""
+        """Caches and runner; on CUDA (unless enforce_eager) rounds replay CUDA graphs with the
+        elementwise chains compiled (target/kernels/fused.py), and the caches hold scratch
+        pages and a scratch state slot for their padding sequences."""
         cfg, page = self.cfg, self.cfg.kv_block_size
         graphs = self.device.type == "cuda" and not cfg.enforce_eager
         scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page) if graphs else 0
         caches = allocate_target_caches(self.model, num_kv_blocks + scratch, page,
                                         cfg.max_num_seqs + int(graphs), self.device)
         round_graphs = None
-        if graphs:
+        if graphs:  # compiled elementwise chains too (one kernel each), before any capture
+            fused.enable()
             max_len = cfg.max_model_len or self.model.config.max_position_embeddings
             round_graphs = RoundGraphs(
                 self.model, caches, self.aux_layer_ids, self.device, cfg.max_num_seqs,

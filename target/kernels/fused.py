@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from target.kernels import gdn_torch
+
 _enabled = False
 
 
@@ -63,20 +65,22 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
 
 
 @fusable
-def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
-              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """β = sigmoid(b) and the log-decay g = −exp(A_log)·softplus(a + dt_bias), fp32."""
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+              beta_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """β = sigmoid(b) (computed in fp32, returned in beta_dtype: what the recurrence kernel
+    takes) and the log-decay g = −exp(A_log)·softplus(a + dt_bias), fp32."""
     beta = b.float().sigmoid()
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return g, beta
+    return g, beta.to(beta_dtype)
 
 
 @fusable
 def gdn_split_heads(conv_out: torch.Tensor, key_dim: int, num_k_heads: int, head_k_dim: int,
-                    num_v_heads: int, head_v_dim: int
+                    num_v_heads: int, head_v_dim: int, qk_dtype: torch.dtype = torch.float32
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """conv_out [..., 2·key_dim + value_dim] → q, k [..., Hv, Dk] (fp32, L2-normalised, q
-    scaled by Dk^−½, key heads repeated to the value heads), v [..., Hv, Dv]."""
+    """conv_out [..., 2·key_dim + value_dim] → q, k [..., Hv, Dk] (normalised in fp32, q
+    scaled by Dk^−½, key heads repeated to the value heads; returned in qk_dtype: what the
+    recurrence kernel takes), v [..., Hv, Dv]."""
     q, k, v = torch.split(conv_out, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
     lead = conv_out.shape[:-1]
     q = q.reshape(*lead, num_k_heads, head_k_dim).float()
@@ -85,7 +89,13 @@ def gdn_split_heads(conv_out: torch.Tensor, key_dim: int, num_k_heads: int, head
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * head_k_dim**-0.5
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     ratio = num_v_heads // num_k_heads  # value head j reads key head j // ratio
+    q, k = q.to(qk_dtype), k.to(qk_dtype)
     return q.repeat_interleave(ratio, -2), k.repeat_interleave(ratio, -2), v
+
+
+# The Gated DeltaNet's causal conv over S sequences of L tokens (the reference's K
+# multiply-adds per output and the SiLU, as one kernel).
+causal_conv_batched = fusable(gdn_torch.causal_conv_batched)
 
 
 @fusable

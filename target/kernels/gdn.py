@@ -18,7 +18,15 @@ def gated_delta_rule(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tenso
 
 
 def causal_conv_batched(x, conv_state, weight):
-    return gdn_torch.causal_conv_batched(x, conv_state, weight)
+    from target.kernels import fused  # (fused imports gdn_torch; keep this module light)
+
+    return fused.causal_conv_batched(x, conv_state, weight)
+
+
+def recurrence_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype q, k and β reach the recurrence in: the model's on fla (it takes them so),
+    fp32 for the torch reference."""
+    return x.dtype if x.is_cuda and _fla() is not None else torch.float32
 
 
 def gated_delta_rule_batched(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
