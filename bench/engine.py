@@ -210,15 +210,17 @@ def main() -> None:
                    help="eager uniform rounds (captured ones use gathered)")
     p.add_argument("--draft-attention", choices=["reference", "flex"], default="reference",
                    help="draft blocks through FlexAttention over the paged cache")
-    p.add_argument("--moe", choices=["auto", "reference", "grouped"], default="auto")
-    p.add_argument("--fuse", action="store_true",
-                   help="compile the elementwise chains (target/kernels/fused.py)")
+    p.add_argument("--moe", choices=["auto", "pairs", "grouped", "gathered", "reference"],
+                   default="auto", help="routed-expert kernel (auto: see FusedExperts)")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="leave the elementwise chains uncompiled (target/kernels/fused.py; the "
+                        "engine compiles them whenever it captures CUDA graphs)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (rounds and proposals run eagerly)")
     p.add_argument("--gdn-rounds", choices=["batched", "per-seq"], default="batched")
     args = p.parse_args()
     GatedAttention.round_attention = args.attention
-    fused.enable(args.fuse)
+    fused.enable(not args.no_fuse and not args.enforce_eager)
     DraftAttention.flex_blocks = args.draft_attention == "flex"
     GatedDeltaNet.batched_rounds = args.gdn_rounds == "batched"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -236,7 +238,7 @@ def main() -> None:
                                                  block_size=max(args.block_sizes))
     for m in target.modules():
         if isinstance(m, FusedExperts):
-            m.grouped = {"auto": None, "reference": False, "grouped": True}[args.moe]
+            m.kernel = args.moe
     bw = measure_bandwidth(device, nbytes=(2 << 30) if device.type == "cuda" else (64 << 20))
     results = {"args": vars(args), "device": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu", "torch": torch.__version__,

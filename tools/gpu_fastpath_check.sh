@@ -5,16 +5,18 @@
 #   profile  bench/profile_step.py at batch 1 (CUDA graphs)
 #   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts)
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
-#   fuse     the same with the elementwise chains compiled (--fuse), B = 16, no baseline
+#   nofuse   the same without the compiled elementwise chains (--no-fuse), B = 16, no baseline
+#   moe      bench/moe_kernel.py: the pair GEMVs against the grouped GEMMs, 1-32 tokens
 # Usage: ../shared/tools/device-wheels.sh   (fills .whl/ with fla on a machine with pip)
+#        pip download --no-deps dflash==0.1.0 -d .whl   (the tests' reference draft)
 #        OUT=/some/dir bash tools/gpu_fastpath_check.sh [tests profile golden bench]
 # (each part's timeout: TESTS_TIMEOUT, PROFILE_TIMEOUT, GOLDEN_TIMEOUT, BENCH_TIMEOUT seconds)
 # (the device tool: carry .whl)
 set -u
 OUT=${OUT:-/tmp/gpu_fastpath_check}; mkdir -p "$OUT"
-if ls .whl/fla*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1; then  # fla, and dflash for the tests' tiny draft
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/fla_core*.whl .whl/flash_linear*.whl 2>&1 | tail -2
+    .whl/*.whl 2>&1 | tail -2
   export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 fi
 python3 -c "import fla" 2>/dev/null || echo "WARNING: fla missing: GDN runs the torch reference"
@@ -41,9 +43,12 @@ bench)
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 32 --block-sizes 8 16 \
     --prompt-len 512 --iters 10 --warmup 3 --out "$OUT/engine.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log" | grep -v "falling back" | tail -8 ;;
-fuse)
-  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights --fuse \
+nofuse)
+  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights --no-fuse \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 32 --block-sizes 16 --no-baseline \
-    --prompt-len 512 --iters 10 --warmup 3 --out "$OUT/engine_fuse.json" 2>&1 \
-    | tee "$OUT/bench_fuse.log" | grep -v "falling back" | tail -6 ;;
+    --prompt-len 512 --iters 10 --warmup 3 --out "$OUT/engine_nofuse.json" 2>&1 \
+    | tee "$OUT/bench_nofuse.log" | grep -v "falling back" | tail -6 ;;
+moe)
+  timeout ${MOE_TIMEOUT:-120} python3 -m bench.moe_kernel --device cuda --out "$OUT/moe_kernel.json" \
+    2>&1 | tee "$OUT/moe_kernel.log" | tail -40 ;;
 esac; done

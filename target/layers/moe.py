@@ -12,6 +12,7 @@ from configs.model import TargetConfig
 from target.distributed import TPGroup, all_reduce
 from target.kernels import fused
 from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
+from target.kernels.moe_triton import PAIR_MAX, pair_experts, pair_experts_available
 from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from target.weights import WeightSource, copy_into, expect_shape
 
@@ -29,10 +30,11 @@ class FusedExperts(nn.Module):
         self.inter = i = tp.shard(cfg.moe_intermediate_size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype), False)
-        # None: grouped GEMMs where torch._grouped_mm runs fast (CUDA sm90+, bf16), gathered
-        # expert weights elsewhere on CUDA (no host sync: capturable), else the reference loop;
-        # True/False force grouped / the reference (tests).
-        self.grouped: bool | None = None
+        # "auto": on CUDA, one Triton GEMV per (token, slot) pair up to PAIR_MAX pairs (decode,
+        # small verify), grouped GEMMs above it where torch._grouped_mm runs fast (sm90+,
+        # bf16), gathered expert weights elsewhere (no host sync: capturable); on CPU the
+        # reference loop. "pairs", "grouped", "gathered", "reference" force one (tests, bench).
+        self.kernel = "auto"
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
 
@@ -64,11 +66,19 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         # x [T, H]; topk_ids/topk_weights [T, k].
-        if self.grouped if self.grouped is not None else grouped_mm_available(x):
-            return grouped_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
-        if self.grouped is None and x.is_cuda:
-            return gathered_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
-        return self.reference(x, topk_ids, topk_weights)
+        kernel = self.kernel if self.kernel != "auto" else self._auto(x, topk_ids.numel())
+        if kernel == "reference":
+            return self.reference(x, topk_ids, topk_weights)
+        fn = {"pairs": pair_experts, "grouped": grouped_experts, "gathered": gathered_experts}
+        return fn[kernel](x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+
+    @staticmethod
+    def _auto(x: torch.Tensor, pairs: int) -> str:
+        if not x.is_cuda:
+            return "reference"
+        if pairs <= PAIR_MAX and pair_experts_available(x):
+            return "pairs"
+        return "grouped" if grouped_mm_available(x) else "gathered"
 
     def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         # One matmul pair per expert hit, and a host sync for the counts: the CPU path.

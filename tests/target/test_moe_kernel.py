@@ -63,10 +63,36 @@ def test_the_moe_layer_takes_either_path_with_the_same_result(tiny_models):
     model = load_target(tiny_models / "target")
     moe = model.model.layers[0].mlp
     x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    moe.experts.grouped = False
+    moe.experts.kernel = "reference"
     want = moe(x)
-    moe.experts.grouped = True
+    moe.experts.kernel = "grouped"
     torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 17, 40])
+def test_the_cuda_layer_picks_pairs_then_grouped_and_matches_the_reference(
+        tiny_models, monkeypatch, tokens):
+    from target.kernels import moe_triton
+    from target.layers import moe as moe_layer
+    from target.loader import load_target
+
+    model = load_target(tiny_models / "target", dtype=torch.bfloat16, device="cuda")
+    experts = model.model.layers[0].mlp.experts
+    k = model.config.num_experts_per_tok
+    # The tiny model routes few pairs: put the threshold between 16 and 17 tokens.
+    monkeypatch.setattr(moe_layer, "PAIR_MAX", 16 * k)
+    x = torch.randn(tokens, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts.num_experts)[:k] for _ in range(tokens)]).cuda()
+    w = torch.softmax(torch.randn(tokens, k), -1).cuda()
+    want_kernel = "grouped" if tokens > 16 else "pairs"
+    if not moe_triton.pair_experts_available(x) or not grouped_mm_available(x):
+        pytest.skip("needs triton and torch._grouped_mm (sm90+)")
+    assert experts._auto(x, ids.numel()) == want_kernel
+    got = experts(x, ids, w)
+    want = reference(x.cpu(), experts.gate_up_proj.cpu(), experts.down_proj.cpu(), ids.cpu(),
+                     w.cpu())
+    assert (got.cpu().double() - want).norm() / want.norm() < 2e-2
 
 
 @pytest.mark.gpu

@@ -1,0 +1,162 @@
+"""The pair-GEMV experts (target/kernels/moe_triton.py) equal the per-expert reference: one
+token on k = 8 experts, several tokens, an expert shared by tokens, sizes that are not multiples
+of the blocks, non-default blocks, strided inputs; fp32 tightly, bf16 at bf16 rounding. On CUDA
+also at the real sizes, against grouped_experts, and inside a CUDA graph.
+
+Without CUDA the cases run in Triton's interpreter in one child process (this file run as a
+script): TRITON_INTERPRET=1 only takes effect if set before triton is first imported, and in a
+whole-suite run torch._dynamo has imported triton during collection already; setting it here
+would also leak into every later test."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from target.kernels.moe import grouped_experts, grouped_mm_available  # noqa: E402
+from target.kernels.moe_triton import (  # noqa: E402
+    PairBlocks,
+    pair_blocks,
+    pair_experts,
+    pair_experts_available,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOL = {"fp32": 1e-5, "bf16": 2e-2}
+# name: (tokens, k, experts, hidden, inter, ids or None for random distinct, extra)
+CASES = {
+    "decode": (1, 8, 16, 64, 32, None, None),  # one token on 8 experts
+    "odd_sizes": (3, 2, 6, 72, 40, None, None),  # H, I not multiples of any block
+    "shared_expert": (3, 2, 4, 64, 32, [[1, 2], [2, 0], [3, 2]], None),  # expert 2: 3 tokens
+    # Blocks that leave partial tiles along both dims of both kernels.
+    "blocks": (2, 3, 5, 72, 40, None, "blocks"),
+    # H-major weights, a strided x, [k, T]-major routing.
+    "strided": (2, 3, 5, 72, 40, None, "strided"),
+}
+
+
+def reference(x, gate_up, down, ids, w):
+    """The per-expert loop of FusedExperts.reference, in fp64."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for e in ids.unique().tolist():
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        gate, up = (x[tokens].double() @ gate_up[e].double().T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ down[e].double().T
+        out.index_add_(0, tokens, y * w[tokens, slots].double()[:, None])
+    return out
+
+
+def problem(tokens, k, experts, hidden, inter, dtype, device="cpu", seed=0, ids=None):
+    g = torch.Generator(device).manual_seed(seed)
+    kw = dict(generator=g, device=device)
+    gate_up = torch.randn(experts, 2 * inter, hidden, **kw) * hidden**-0.5
+    down = torch.randn(experts, hidden, inter, **kw) * inter**-0.5
+    x = torch.randn(tokens, hidden, **kw)
+    if ids is None:  # distinct experts per token, as top-k gives
+        ids = torch.stack([torch.randperm(experts, **kw)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, **kw)
+    w = w / w.sum(-1, keepdim=True)
+    return [t.to(dtype) for t in (x, gate_up, down)] + [ids.to(device), w.to(dtype)]
+
+
+def rel_err(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def case_error(name: str, dtype: str, device: str) -> float:
+    """pair_experts' relative error against the reference on CASES[name]."""
+    tokens, k, experts, hidden, inter, ids, extra = CASES[name]
+    ids = None if ids is None else torch.tensor(ids, device=device)
+    x, gate_up, down, ids, w = problem(tokens, k, experts, hidden, inter, DTYPES[dtype],
+                                       device, ids=ids)
+    want = reference(x, gate_up, down, ids, w)
+    kw = {}
+    if extra == "blocks":
+        kw = dict(gate_up_blocks=PairBlocks(16, 32, 2), down_blocks=PairBlocks(32, 16, 1))
+    elif extra == "strided":  # the same values through non-contiguous views
+        gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
+        down = down.transpose(1, 2).contiguous().transpose(1, 2)
+        x = torch.stack([x, x], dim=-1)[..., 0]  # strides (2H, 2)
+        ids, w = ids.T.contiguous().T, w.T.contiguous().T
+    got = pair_experts(x, gate_up, down, ids, w, **kw)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    return rel_err(got, want)
+
+
+def all_case_errors() -> dict[str, float | str]:
+    """"name/dtype" → error, or the exception's text."""
+    out = {}
+    for name in CASES:
+        for dtype in DTYPES:
+            try:
+                out[f"{name}/{dtype}"] = case_error(name, dtype, "cpu")
+            except Exception as e:  # reported by the test of that case
+                out[f"{name}/{dtype}"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def errors():
+    """"name/dtype" → error: on CUDA computed here, else by the interpreter child."""
+    if torch.cuda.is_available():
+        return lambda key: case_error(*key.split("/"), "cuda")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1]).__getitem__
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", CASES)
+def test_pairs_equal_the_reference(errors, name, dtype):
+    err = errors(f"{name}/{dtype}")
+    assert not isinstance(err, str), err
+    assert err < TOL[dtype]
+
+
+def test_no_tokens_launch_nothing():
+    x, gate_up, down, ids, w = problem(0, 2, 4, 16, 8, torch.float32,
+                                       ids=torch.zeros(0, 2, dtype=torch.long))
+    assert pair_experts(x, gate_up, down, ids, w).shape == (0, 16)
+
+
+def test_heuristic_fills_an_h200_at_decode():
+    # 8 pairs (decode): narrow rows so that gate_up still launches 8 · 64 programs.
+    assert pair_blocks(8, 512, 2048) == PairBlocks(8, 256, 4)
+    assert pair_blocks(8, 2048, 512) == PairBlocks(16, 256, 4)
+    assert pair_blocks(128, 512, 2048) == PairBlocks(32, 128, 4)
+    assert pair_blocks(4, 40, 72).block_k == 128  # not past the reduction length
+    assert not pair_experts_available(torch.zeros(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_real_sizes_match_grouped_and_capture_in_a_cuda_graph(tokens):
+    x, gate_up, down, ids, w = problem(tokens, 8, 256, 2048, 512, torch.bfloat16, "cuda")
+    assert pair_experts_available(x)
+    got = pair_experts(x, gate_up, down, ids, w)
+    assert rel_err(got, reference(x, gate_up, down, ids, w)) < TOL["bf16"]
+    if grouped_mm_available(x):
+        assert rel_err(got, grouped_experts(x, gate_up, down, ids, w).double()) < 2e-2
+
+    # Capture with one routing, replay with another copied into the same buffers.
+    x2, _, _, ids2, w2 = problem(tokens, 8, 256, 2048, 512, torch.bfloat16, "cuda", seed=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pair_experts(x, gate_up, down, ids, w)
+    for dst, src in ((x, x2), (ids, ids2), (w, w2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.testing.assert_close(out, pair_experts(x2, gate_up, down, ids2, w2), rtol=0, atol=0)
+
+
+if __name__ == "__main__":  # the interpreter child of errors()
+    print(json.dumps(all_case_errors()))
