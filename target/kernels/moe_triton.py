@@ -56,8 +56,8 @@ _TARGET_PROGRAMS = 4 * 132
 _TILE_ELEMS = 4096
 # Most (token, slot) pairs FusedExperts sends here rather than to the grouped GEMMs: decode up
 # to batch 32 and a 16-token verify at batch 1 and 2 (8 experts per token on Qwen3.5-35B-A3B).
-# bench/moe_kernel.py on an H200 (2026-12-03, CUDA graphs): pairs 25-41 µs against grouped
-# 81 µs at 1 token, 194-201 against 293 at 16, 346-364 against 444 at 32 (256 pairs).
+# bench/moe_kernel.py on an H200 (2026-12-04, CUDA graphs, this heuristic's shapes): pairs
+# 33 µs against grouped 81 at 1 token, 202 against 293 at 16, 364 against 444 at 32.
 PAIR_MAX = 256
 
 
