@@ -109,9 +109,24 @@ def moe_route(router_logits: torch.Tensor, top_k: int,
 
 @fusable
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU over a fused [gate | up] projection."""
+    """SwiGLU over a fused [gate | up] projection, in fp32, rounded once (as compiled and as
+    the pair kernels compute it)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
+
+
+@fusable
+def weighted_slot_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts' outputs y [T, k, H] (each rounded to the model dtype, as a GEMM
+    leaves it) weighted by their routing weights [T, k] and summed over the k slots in fp32,
+    slot 0 first, rounded once: the one combine every expert kernel shares, so that the paths
+    differ only where their GEMMs do. A running sum, not .sum(1): compiled, each output is one
+    thread's loop whatever T is, so a token's result does not depend on its batch."""
+    w = weights.float()
+    out = y[:, 0].float() * w[:, :1]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j].float() * w[:, j : j + 1]
+    return out.to(y.dtype)
 
 
 @fusable

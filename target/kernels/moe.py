@@ -1,7 +1,10 @@
 """Routed experts as two grouped GEMMs (`torch._grouped_mm`): token-expert pairs sorted by
 expert, one GEMM over all groups for gate_up, one for down, a weighted scatter-add back. No
 Python loop over experts and no host sync (the group offsets stay on the device), so the
-shapes a step sees depend only on its token count: CUDA-graph friendly.
+shapes a step sees depend only on its token count: CUDA-graph friendly. Every path here and in
+moe_triton.py rounds where a GEMM does (gate/up, down output) and ends in the same
+`fused.weighted_slot_sum`, so a token's routed output is the same whichever path a step's size
+picks, up to the GEMMs' own summation order.
 
 The per-expert loop in target/layers/moe.py stays the reference (and the CPU default);
 tests/target/test_moe_kernel.py compares the three."""
@@ -9,7 +12,6 @@ tests/target/test_moe_kernel.py compares the three."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from target.kernels import fused
 
@@ -29,8 +31,9 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     # [E, 2I, H] → [E, H, 2I] view: the K-major operand the grouped GEMM takes as is.
     gu = torch._grouped_mm(x[token_of], gate_up.transpose(1, 2), offs=offs)  # [T·k, 2I]
     y = torch._grouped_mm(fused.silu_mul(gu), down.transpose(1, 2), offs=offs)  # [T·k, H]
-    y = y * topk_weights.flatten()[order].unsqueeze(-1).to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+    # Back to (token, slot) order (a permutation: no atomics), then the shared fp32 combine.
+    y = torch.empty_like(y).index_copy_(0, order, y)
+    return fused.weighted_slot_sum(y.view(*topk_ids.shape, -1), topk_weights).to(x.dtype)
 
 
 def gathered_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -42,10 +45,9 @@ def gathered_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     tokens, k = topk_ids.shape
     flat = topk_ids.flatten()  # [T·k]
     xs = x.repeat_interleave(k, dim=0)  # [T·k, H]; pair p is token p // k
-    gate, up = torch.bmm(gate_up[flat], xs[:, :, None])[..., 0].chunk(2, dim=-1)  # [T·k, I]
-    y = torch.bmm(down[flat], (F.silu(gate) * up)[:, :, None])[..., 0]  # [T·k, H]
-    y = y * topk_weights.flatten()[:, None].to(y.dtype)
-    return y.view(tokens, k, -1).sum(1).to(x.dtype)
+    gu = torch.bmm(gate_up[flat], xs[:, :, None])[..., 0]  # [T·k, 2I]
+    y = torch.bmm(down[flat], fused.silu_mul(gu)[:, :, None])[..., 0]  # [T·k, H]
+    return fused.weighted_slot_sum(y.view(tokens, k, -1), topk_weights).to(x.dtype)
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

@@ -7,11 +7,17 @@ pads each expert's few rows up to an MMA tile and pays for the sort and the scat
 
   1. gate_up + SwiGLU, grid (P, cdiv(I, BLOCK_N)): a program reads its pair's expert id and
      token row, BLOCK_N gate rows and the matching BLOCK_N up rows, loops over H in BLOCK_K
-     chunks (fp32 accumulate) and writes h[p, n] = silu(g)·u in x's dtype: h [P, I].
-  2. down, grid (P, cdiv(H, BLOCK_N)): h[p] against BLOCK_N rows of down[e], fp32 accumulate,
-     times the pair's routing weight: y [P, H] in fp32, so each token's k-slot sum is rounded
-     to x's dtype once (y is P·H·4 bytes, ≤ 1 MiB at 128 pairs: nothing next to the weights).
-  3. out = y.view(T, k, H).sum(1): deterministic, no atomics.
+     chunks (fp32 accumulate), rounds g and u to x's dtype (where a GEMM's output would be)
+     and writes h[p, n] = silu(g)·u, computed in fp32, in x's dtype: h [P, I].
+  2. down, grid (P, cdiv(H, BLOCK_N)): h[p] against BLOCK_N rows of down[e], fp32 accumulate:
+     y [P, H] in x's dtype.
+  3. fused.weighted_slot_sum(y.view(T, k, H), weights): the routing weights and the sum over
+     the k slots in fp32, rounded once; deterministic, no atomics. The grouped path ends in
+     the same function after the same roundings, so the two agree but for summation order.
+
+The launch shape is one per model (pair_blocks), not per step: a pair's result then does not
+depend on how many pairs share the launch, so a token decoded alone and the same token inside a
+verify block get the same routed output (bf16 greedy stays on the target-only path).
 
 Two pairs routed to one expert read its rows twice; past a few hundred pairs that waste is
 what grouped_experts (target/kernels/moe.py, same arguments and result) avoids.
@@ -27,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from target.kernels import fused
 
 try:
     import triton
@@ -45,32 +53,27 @@ class PairBlocks:
     num_warps: int = 4
 
 
-# Programs wanted per kernel: 4 per SM of an H100/H200 (132 SMs), so that every SM has
-# several programs' loads in flight (the loop issues plain loads, no software pipelining).
-# A fixed number, not the device's SM count: the launch shape, and with it the fp32
-# summation order, is the same on every device. Unmeasured: bench/moe_kernel.py sweeps it.
-_TARGET_PROGRAMS = 4 * 132
-# BLOCK_N·BLOCK_K cap: a gate and an up fp32 accumulator of this size take 2·4096/128 = 64
-# registers per thread at 4 warps. ptxas for sm90 (Triton 3.9, bf16): gate_up 74 registers at
-# 8×256, 134 at 16×256 or 32×128 (3 programs per SM), no spills; 16-byte weight loads.
-_TILE_ELEMS = 4096
+# The launch shape: BLOCK_N 16 rows × BLOCK_K 256, 4 warps, for both kernels. In the sweep of
+# bench/moe_kernel.py on an H200 (2026-12-04, real sizes, CUDA-graph replay) it was the fastest
+# of five shapes at 4, 8, 16 and 32 tokens and within 11 % of the fastest at 1 and 2, ahead
+# of the earlier per-step heuristic everywhere (28 against 33 µs at 1 token, 39 against 59 at
+# 2, 194 against 202 at 16). ptxas for sm90 (Triton 3.9, bf16): gate_up 134 registers, no
+# spills; 16-byte weight loads.
+_BLOCK_N, _BLOCK_K, _NUM_WARPS = 16, 256, 4
 # Most (token, slot) pairs FusedExperts sends here rather than to the grouped GEMMs: decode up
 # to batch 32 and a 16-token verify at batch 1 and 2 (8 experts per token on Qwen3.5-35B-A3B).
-# bench/moe_kernel.py on an H200 (2026-12-04, CUDA graphs, this heuristic's shapes): pairs
-# 33 µs against grouped 81 at 1 token, 202 against 293 at 16, 364 against 444 at 32.
+# bench/moe_kernel.py on an H200 (2026-12-04, CUDA graphs; 16×256 shape): pairs 28 µs against
+# grouped 81 at 1 token, 194 against 293 at 16, 346 against 444 at 32.
 PAIR_MAX = 256
 
 
-def pair_blocks(num_pairs: int, rows: int, depth: int) -> PairBlocks:
-    """The launch heuristic: BLOCK_N the largest of 32, 16, 8 that still gives _TARGET_PROGRAMS
-    programs (num_pairs · cdiv(rows, BLOCK_N)), BLOCK_K the widest power of two ≤ 256 within
-    the tile cap and not past `depth`. Decode (8 pairs, I = 512, H = 2048): gate_up 8×256,
-    8 · 64 = 512 programs; down 16×256, 8 · 128 = 1024 programs."""
-    block_n = 32
-    while block_n > 8 and num_pairs * -(-rows // block_n) < _TARGET_PROGRAMS:
-        block_n //= 2
-    block_k = min(256, _TILE_ELEMS // block_n, max(16, 1 << (depth - 1).bit_length()))
-    return PairBlocks(block_n, block_k, 4)
+def pair_blocks(depth: int) -> PairBlocks:
+    """The launch shape of a kernel whose reduction is `depth` long (H for gate_up, I for
+    down): a function of the model alone, never of the step's pair count (the summation
+    order, and so the rounding, of a pair's result stays put). BLOCK_K is 256, or the power of
+    two ≥ depth where that is shorter (small models)."""
+    return PairBlocks(_BLOCK_N, min(_BLOCK_K, max(16, 1 << (depth - 1).bit_length())),
+                      _NUM_WARPS)
 
 
 def pair_experts_available(x: torch.Tensor) -> bool:
@@ -100,19 +103,19 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     if not x.is_cuda and not _interpreted():
         raise RuntimeError("pair_experts on CPU tensors runs in Triton's interpreter only: set "
                            "TRITON_INTERPRET=1 before anything imports triton")
-    gb = gate_up_blocks or pair_blocks(pairs, inter, hidden)
-    db = down_blocks or pair_blocks(pairs, hidden, inter)
+    gb = gate_up_blocks or pair_blocks(hidden)
+    db = down_blocks or pair_blocks(inter)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]; pair p = t·k + j
-    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
     _gate_up_kernel[(pairs, triton.cdiv(inter, gb.block_n))](
         x, gate_up, topk_ids, h, k, inter, hidden,
         x.stride(0), x.stride(1), *gate_up.stride(), *topk_ids.stride(),
         BLOCK_N=gb.block_n, BLOCK_K=gb.block_k, num_warps=gb.num_warps)
     _down_kernel[(pairs, triton.cdiv(hidden, db.block_n))](
-        h, down, topk_ids, topk_weights, y, k, hidden, inter,
-        *down.stride(), *topk_ids.stride(), *topk_weights.stride(),
+        h, down, topk_ids, y, k, hidden, inter,
+        *down.stride(), *topk_ids.stride(),
         BLOCK_N=db.block_n, BLOCK_K=db.block_k, num_warps=db.num_warps)
-    return y.view(tokens, k, hidden).sum(1).to(x.dtype)
+    return fused.weighted_slot_sum(y.view(tokens, k, hidden), topk_weights)
 
 
 def _interpreted() -> bool:
@@ -147,20 +150,19 @@ if triton is not None:
             off = kk[None, :] * stride_wh
             acc_g += tl.load(gate + off, mask=m, other=0.0).to(tl.float32) * xk[None, :]
             acc_u += tl.load(up + off, mask=m, other=0.0).to(tl.float32) * xk[None, :]
-        g = tl.sum(acc_g, axis=1)
-        u = tl.sum(acc_u, axis=1)
-        h = g * tl.sigmoid(g) * u  # SwiGLU in fp32, rounded once on the store
+        # Rounded as a GEMM's output would be, then SwiGLU in fp32, rounded once on the store.
+        g = tl.sum(acc_g, axis=1).to(h_ptr.dtype.element_ty).to(tl.float32)
+        u = tl.sum(acc_u, axis=1).to(h_ptr.dtype.element_ty).to(tl.float32)
+        h = g * tl.sigmoid(g) * u
         tl.store(h_ptr + pair * inter + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
-    def _down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, top_k, hidden, inter,
+    def _down_kernel(h_ptr, w_ptr, ids_ptr, y_ptr, top_k, hidden, inter,
                      stride_we, stride_wn, stride_wi, stride_it, stride_ik,
-                     stride_rt, stride_rk,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pair = tl.program_id(0)
         token, slot = pair // top_k, pair % top_k
         expert = tl.load(ids_ptr + token * stride_it + slot * stride_ik).to(tl.int64)
-        weight = tl.load(wts_ptr + token * stride_rt + slot * stride_rk).to(tl.float32)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of H
         row_ok = rows < hidden
         cols = tl.arange(0, BLOCK_K)
@@ -174,5 +176,5 @@ if triton is not None:
             m = row_ok[:, None] & k_ok[None, :]
             acc += tl.load(w + kk[None, :] * stride_wi, mask=m, other=0.0).to(tl.float32) \
                 * hk[None, :]
-        y = tl.sum(acc, axis=1) * weight
-        tl.store(y_ptr + pair * hidden + rows, y, mask=row_ok)
+        y = tl.sum(acc, axis=1)
+        tl.store(y_ptr + pair * hidden + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
