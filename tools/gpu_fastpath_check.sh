@@ -2,6 +2,7 @@
 # The GPU fast path on one GPU host without package access, in parts (default: all), results
 # under $OUT:
 #   tests    every `gpu` test of the engine (kernels against their references, CUDA graphs)
+#   moetests the routed-expert tests alone, and the pair/grouped bf16 consistency at real sizes
 #   profile  bench/profile_step.py at batch 1 (CUDA graphs)
 #   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts)
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
@@ -29,11 +30,21 @@ tests)
     --tb=short --continue-on-collection-errors -m gpu tests/target tests/workers tests/draft \
     tests/cluster/test_gpu_cluster.py -k "not ray" > "$OUT/gpu_tests.txt" 2>&1
   tail -12 "$OUT/gpu_tests.txt" ;;
+moetests)
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+    --tb=short -m gpu tests/target/test_moe_triton.py tests/target/test_moe_kernel.py \
+    > "$OUT/gpu_moe_tests.txt" 2>&1
+  tail -4 "$OUT/gpu_moe_tests.txt"
+  timeout ${TESTS_TIMEOUT:-240} python3 -c "
+import json
+from tests.target.test_moe_triton import consistency
+print(json.dumps({t: consistency('cuda', t, 8, 256, 2048, 512) for t in (1, 16, 40)}))" \
+    | tee "$OUT/moe_consistency.json" ;;
 profile)  # batch 1, CUDA graphs
   timeout ${PROFILE_TIMEOUT:-150} python3 -m bench.profile_step --device cuda --batch 1 \
     --block-size 16 --out "$OUT/profile_b1.txt" 2>&1 | grep -E '^\{|Error|error' | tail -5 ;;
 golden)
-  for dtype in float32 bfloat16; do
+  for dtype in ${GOLDEN_DTYPES:-float32 bfloat16}; do
     timeout ${GOLDEN_TIMEOUT:-150} python3 -m tools.golden_check --model tests/assets/tiny/target \
       --draft-model tests/assets/tiny/draft --device cuda --dtype $dtype --num-prompts 100 \
       --max-tokens 64 --block-size 16 --out "$OUT/golden_$dtype.json" 2>&1 | tail -6

@@ -31,6 +31,7 @@ def cases(device: str):
         (fused.moe_route, (r(t, 8), 2, torch.bfloat16)),
         (fused.silu_mul, (r(t, 2 * h),)),
         (fused.shared_expert_combine, (r(t, h), r(t, h), r(t, 1))),
+        (fused.weighted_slot_sum, (r(t, 4, h), r(t, 4).softmax(-1))),
         (fused.sigmoid_gate, (r(t, h), r(t, h))),
         (fused.rope, (r(t, 4, 32), r(t, 1, 16, dtype=torch.float32),
                       r(t, 1, 16, dtype=torch.float32), 16)),
