@@ -1,6 +1,7 @@
-"""Models with the real architecture and random weights, made on the device (no checkpoint):
-our target and draft, and transformers' `Qwen3_5MoeForCausalLM` sharing our target's tensors
-(so the baseline is the same weights at the cost of one extra copy of nothing but views)."""
+"""Models with the real architecture and random weights, made on the device (no checkpoint;
+values by target/dummy.py, as `load_format="dummy"` gives): our target and draft, and
+transformers' `Qwen3_5MoeForCausalLM` sharing our target's tensors (so the baseline is the
+same weights at the cost of one extra copy of nothing but views)."""
 
 from __future__ import annotations
 
@@ -10,28 +11,9 @@ from torch import nn
 from configs.model import TargetConfig
 from draft.config import DraftConfig
 from draft.model import DFlashDraftModel
+from target import dummy
 from target.layers.gdn import IN_PROJ_PARTS
 from target.model import Qwen3_5MoeForCausalLM
-
-
-@torch.no_grad()
-def init_random_(module: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Weights ~ N(0, std); norms at their identity (zero-centred RMSNorm weights 0, the GDN
-    output norm's plain weight 1); GDN decay parameters in their trained ranges, so the
-    recurrence neither explodes nor vanishes."""
-    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
-    for name, p in module.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("linear_attn.norm.weight"):
-            p.fill_(1.0)
-        elif "norm" in name:
-            p.zero_()
-        elif leaf == "A_log":
-            p.copy_(torch.empty_like(p, dtype=torch.float32).uniform_(0, 2.7, generator=gen))
-        elif leaf == "dt_bias":
-            p.fill_(0.0)
-        else:
-            p.normal_(0.0, std, generator=gen)
 
 
 def build_target(raw: dict, dtype: torch.dtype, device: torch.device,
@@ -39,7 +21,7 @@ def build_target(raw: dict, dtype: torch.dtype, device: torch.device,
     cfg = TargetConfig.from_dict(raw)
     with torch.device(device):
         model = Qwen3_5MoeForCausalLM(cfg, dtype=dtype)
-    init_random_(model, seed)
+    dummy.init_(model, seed)
     return model.eval()
 
 
@@ -47,7 +29,7 @@ def build_draft(raw: dict, dtype: torch.dtype, device: torch.device, block_size:
                 seed: int = 1) -> DFlashDraftModel:
     cfg = DraftConfig.from_dict(raw, source="preset").with_block_size(block_size)
     model = DFlashDraftModel(cfg, dtype=dtype, device=device)
-    init_random_(model, seed)
+    dummy.init_(model, seed)
     return model.eval()
 
 

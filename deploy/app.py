@@ -55,6 +55,7 @@ class ServeArgs:
     gpu_memory_utilization: float = 0.9  # share of each GPU for weights + activations + caches
     max_waiting: int | None = None  # requests queued for admission before 429; None → 4 × seqs
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -108,7 +109,7 @@ class ServeArgs:
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             kv_block_size=self.kv_block_size, num_kv_blocks=self.num_kv_blocks, seed=self.seed,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            enforce_eager=self.enforce_eager, **extra,
+            enforce_eager=self.enforce_eager, load_format=self.load_format, **extra,
         )
 
 

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of each GPU for weights, activations and the KV cache")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run every step eagerly instead of replaying CUDA graphs")
+    s.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights from the model dirs' config.json (benchmarks)")
     s.add_argument("--max-waiting", type=int,
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
@@ -158,7 +160,8 @@ def serve_forever(args: argparse.Namespace) -> int:
         dtype=args.dtype, served_model_name=args.served_model_name,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        load_format=args.load_format)
     app = build_deployment(sargs, num_replicas=args.num_replicas)  # ValueError: bad args
 
     import ray

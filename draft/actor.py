@@ -28,9 +28,11 @@ class DraftWorker:
         on_gpu = cfg.device.startswith("cuda")
         self.device = device or (torch.device("cuda", 0) if on_gpu else torch.device("cpu"))
         self.model = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
-                                                      device=self.device, block_size=block_size)
+                                                      device=self.device, block_size=block_size,
+                                                      load_format=cfg.load_format)
         if embed is None:
-            embed_module, head = load_embedding_and_head(cfg.model, cfg.torch_dtype, self.device)
+            embed_module, head = load_embedding_and_head(cfg.model, cfg.torch_dtype, self.device,
+                                                         cfg.load_format)
             embed, lm_head = embed_module, (lambda h: head(h).float())
         self.embed, self.lm_head = embed, lm_head
         self.runner: DraftRunner | None = None

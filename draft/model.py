@@ -26,6 +26,7 @@ from draft.attention import (
     write_kv,
 )
 from draft.config import DraftConfig
+from target import dummy
 
 KVCache = list[tuple[Tensor, Tensor]]  # per draft layer (k_cache, v_cache)
 
@@ -182,13 +183,20 @@ class DFlashDraftModel(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         block_size: int | None = None,
+        load_format: str = "auto",
     ) -> DFlashDraftModel:
+        """load_format "dummy": random weights (target/dummy.py) from config.json alone."""
         cfg = DraftConfig.from_pretrained(model_dir)
         if block_size is not None:
             cfg = cfg.with_block_size(block_size)
         model = cls(cfg, dtype=dtype, device=device)
-        with torch.no_grad():
-            model.load_weights(model_dir)
+        if load_format == "dummy":
+            dummy.init_(model)
+        elif load_format == "auto":
+            with torch.no_grad():
+                model.load_weights(model_dir)
+        else:
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         return model.eval()
 
     # ---- cache ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from configs.model import TargetConfig
+from target import dummy
 from target.distributed import SINGLE, TPGroup
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.layers.gdn import IN_PROJ_PARTS
@@ -127,22 +128,33 @@ def _load_one(param: torch.nn.Parameter, src: WeightSource, shard_id) -> None:
         param.weight_loader(param, src, shard_id)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_target(
     model_dir: str | Path,
     tp: TPGroup = SINGLE,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    load_format: str = "auto",
 ) -> Qwen3_5MoeForCausalLM:
+    """load_format "auto": the safetensors in model_dir; "dummy": random weights
+    (target/dummy.py), model_dir needs only its config.json."""
     cfg = TargetConfig.from_pretrained(model_dir)
     with torch.device(device):
         model = Qwen3_5MoeForCausalLM(cfg, tp, dtype)
-    load_weights(model, model_dir)
+    if load_format == "dummy":
+        dummy.load_target_dummy(model)
+    elif load_format == "auto":
+        load_weights(model, model_dir)
+    else:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     return model.eval()
 
 
 def load_embedding_and_head(
     model_dir: str | Path, dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
+    device: str | torch.device = "cpu", load_format: str = "auto",
 ) -> tuple[VocabParallelEmbedding, ParallelLMHead]:
     """Only the target's input embedding and lm_head, unsharded: what a draft running in its
     own process needs (it embeds its block and reads logits through the target's)."""
@@ -150,6 +162,13 @@ def load_embedding_and_head(
     with torch.device(device):
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, SINGLE, dtype)
         head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, SINGLE, dtype)
+    if load_format == "dummy":  # the values the dummy target holds
+        embed_name = "model.embed_tokens.weight"
+        for param, name in ((embed.weight, embed_name), (head.weight, embed_name
+                            if cfg.tie_word_embeddings else "lm_head.weight")):
+            with torch.no_grad():
+                param.copy_(dummy.tensor(name, tuple(param.shape), param.dtype, param.device))
+        return embed.eval(), head.eval()
     wanted = {"model.embed_tokens.weight": [embed.weight], "lm_head.weight": [head.weight]}
     if cfg.tie_word_embeddings:
         wanted["model.embed_tokens.weight"].append(head.weight)

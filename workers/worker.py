@@ -62,7 +62,7 @@ class TargetWorker:
                                     rank=self.rank, world_size=self.tp)
         group = TPGroup(rank=self.rank, size=self.tp)
         self.model = load_target(self.cfg.model, tp=group, dtype=self.cfg.torch_dtype,
-                                 device=self.device)
+                                 device=self.device, load_format=self.cfg.load_format)
         if self.aux_ring_rows:  # before the memory profile, so the ring counts as used
             width = len(self.aux_layer_ids) * self.model.config.hidden_size
             self.aux_sender = make_aux_sender(self.device, AUX_RING_SLOTS, self.aux_ring_rows,

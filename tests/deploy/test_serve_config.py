@@ -54,3 +54,11 @@ def test_memory_share_reaches_the_engine(tiny_demo):
     target, _ = map(str, tiny_demo)
     cfg = ServeArgs.from_dict({"model": target, "gpu_memory_utilization": 0.5}).engine_config()
     assert cfg.gpu_memory_utilization == 0.5
+
+
+def test_load_format_reaches_the_engine_and_is_checked(tiny_demo):
+    target, _ = map(str, tiny_demo)
+    cfg = ServeArgs.from_dict({"model": target, "load_format": "dummy"}).engine_config()
+    assert cfg.load_format == "dummy"
+    with pytest.raises(ValueError, match="load_format"):
+        ServeArgs.from_dict({"model": target, "load_format": "npz"}).engine_config()

@@ -161,3 +161,16 @@ def test_tp4_kv_heads_are_replicated_in_pairs(tiny_models):
         head = rank // 2  # 2 kv heads over 4 ranks
         assert k_proj.shape == (16, 64)
         assert torch.equal(k_proj, full[16 * head : 16 * (head + 1)])
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_dummy_weights_shard_like_a_checkpoint(tiny_models, size):
+    """load_format="dummy": each rank holds its slice of the TP-1 dummy model, so TP sizes
+    compare on the real architecture without a checkpoint."""
+    full = dict(load_target(tiny_models / "target", load_format="dummy").named_parameters())
+    cfg = TargetConfig.from_pretrained(tiny_models / "target")
+    for rank in range(size):
+        tp = TPGroup(rank=rank, size=size)
+        model = load_target(tiny_models / "target", tp=tp, load_format="dummy")
+        for name, param in model.named_parameters():
+            assert torch.equal(param, expected_shard(name, full[name], cfg, tp)), name
