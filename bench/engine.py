@@ -12,7 +12,12 @@ verify + context write), and the floor of each step (bytes moved / bandwidth mea
 At batch 1 also transformers' `Qwen3_5MoeForCausalLM` decoding over the same weights. The
 projected DFlash speedup is τ · (t_decode + o_AR) / (t_round(B) + o_round) for each τ, where o
 is the engine's host bookkeeping per step measured with instant runners (bench/
-engine_overhead.py). Medians over --iters."""
+engine_overhead.py). Medians over --iters.
+
+    python -m bench.engine --random-weights --preset qwen3.5-35b-a3b --device cuda --tp 2 ...
+
+runs the same steps through the cluster path instead (Ray workers, NCCL, the draft actor) and
+adds the all-reduce per decoder layer against the bus bandwidth: bench/engine_cluster.py."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -50,25 +56,31 @@ def timed(device: torch.device, fn, warmup: int, iters: int) -> tuple[float, obj
 
 
 class Batch:
-    """b sequences with their caches, advanced by every verify the bench runs."""
+    """b sequences (seq i in state slot i, pages i·P … (i+1)·P − 1) with their caches,
+    advanced by every verify the bench runs; `runner` is a ModelRunner or, through the
+    cluster path, the Ray worker group (the same prefill / verify / release)."""
 
-    def __init__(self, target, aux_ids, b: int, prompt_len: int, max_new: int, page: int,
-                 device: torch.device, cuda_graphs: bool = False):
+    def __init__(self, runner, b: int, prompt_len: int, max_new: int, page: int, vocab: int):
+        self.runner, self.b, self.vocab = runner, b, vocab
         self.pages = -(-(prompt_len + max_new) // page)
-        num_blocks = b * self.pages
-        scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page) if cuda_graphs else 0
-        caches = allocate_target_caches(target, num_blocks + scratch, page, b + 1, device)
-        graphs = RoundGraphs(target, caches, aux_ids, device, b, self.pages,
-                             list(range(num_blocks, num_blocks + scratch)), b) \
-            if cuda_graphs else None
-        self.runner = ModelRunner(target, caches, aux_ids, device, graphs=graphs)
         self.tables = [list(range(i * self.pages, (i + 1) * self.pages)) for i in range(b)]
         g = torch.Generator().manual_seed(0)
-        vocab = target.config.vocab_size
         self.prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
                         for _ in range(b)]
-        self.vocab, self.b = vocab, b
         self.num_cached, self.anchors = [0] * b, [0] * b
+
+    @classmethod
+    def in_process(cls, target, aux_ids, b: int, prompt_len: int, max_new: int, page: int,
+                   device: torch.device, cuda_graphs: bool = False) -> Batch:
+        pages = -(-(prompt_len + max_new) // page)
+        num_blocks = b * pages
+        scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page) if cuda_graphs else 0
+        caches = allocate_target_caches(target, num_blocks + scratch, page, b + 1, device)
+        graphs = RoundGraphs(target, caches, aux_ids, device, b, pages,
+                             list(range(num_blocks, num_blocks + scratch)), b) \
+            if cuda_graphs else None
+        runner = ModelRunner(target, caches, aux_ids, device, graphs=graphs)
+        return cls(runner, b, prompt_len, max_new, page, target.config.vocab_size)
 
     def prefill(self):
         out = self.runner.prefill([SeqInput(i, p, 0, self.tables[i], i, GREEDY)
@@ -108,7 +120,8 @@ def bench_batch(target, draft, b: int, args, bw: float, device: torch.device) ->
     max_new = steps_per_kind * (2 + 3 * len(args.block_sizes)) * max(args.block_sizes)
     aux_ids = tuple(draft.cfg.target_layer_ids)
     graphs = device.type == "cuda" and not args.enforce_eager
-    batch = Batch(target, aux_ids, b, args.prompt_len, max_new, args.page_size, device, graphs)
+    batch = Batch.in_process(target, aux_ids, b, args.prompt_len, max_new, args.page_size,
+                             device, graphs)
     r: dict = {"batch": b}
     ms, out = timed(device, batch.prefill, 1, 1)
     r["prefill_ms"], r["prefill_tok_per_s"] = ms, b * args.prompt_len / ms * 1e3
@@ -187,7 +200,7 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--random-weights", action="store_true")
@@ -218,7 +231,22 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (rounds and proposals run eagerly)")
     p.add_argument("--gdn-rounds", choices=["batched", "per-seq"], default="batched")
-    args = p.parse_args()
+    p.add_argument("--tp", type=int, help="through the cluster path with N tensor-parallel "
+                   "Ray workers and the draft actor (bench/engine_cluster.py); no floors, "
+                   "no baseline, the kernel switches above do not apply")
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.tp is not None:
+        from bench import engine_cluster
+
+        results = engine_cluster.run(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        print(engine_cluster.table(results))
+        return
     GatedAttention.round_attention = args.attention
     fused.enable(not args.no_fuse and not args.enforce_eager)
     DraftAttention.flex_blocks = args.draft_attention == "flex"

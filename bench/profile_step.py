@@ -84,8 +84,8 @@ def main() -> None:
     draft = build_draft(draft_preset(args.preset), dtype, device, args.block_size)
     B, b = args.block_size, args.batch
     graphs = device.type == "cuda" and not args.enforce_eager
-    batch = Batch(target, tuple(draft.cfg.target_layer_ids), b, args.prompt_len,
-                  (2 * args.steps + 8) * 2 * B, 16, device, graphs)
+    batch = Batch.in_process(target, tuple(draft.cfg.target_layer_ids), b, args.prompt_len,
+                             (2 * args.steps + 8) * 2 * B, 16, device, graphs)
     out = batch.prefill()
     drafter = DraftRunner(draft, b * batch.pages, 16, B, target.embed, target.compute_logits,
                           device, graph_max_seqs=b if graphs else 0, graph_max_pages=batch.pages)

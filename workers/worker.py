@@ -10,6 +10,7 @@ The in-process engine uses the same class without Ray (tp 1)."""
 from __future__ import annotations
 
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -131,6 +132,37 @@ class TargetWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    def time_all_reduce(self, token_counts: list[int], iters: int,
+                        bus_bytes: int) -> dict[str, object]:
+        """For bench/engine.py --tp (every rank calls it at once): the mean µs of one
+        all-reduce of [T, H] in the model dtype for each T (a decoder layer issues two per
+        step), back to back as a step issues them, and the bus bandwidth of an all-reduce of
+        `bus_bytes` (nccl-tests' busbw: 2(n − 1)/n · bytes / t) over the same group."""
+        if self.tp == 1:
+            return {}
+        hidden, dtype = self.model.config.hidden_size, self.model.dtype
+
+        def mean_us(x: torch.Tensor, n: int) -> float:
+            for _ in range(3):
+                dist.all_reduce(x)
+            self._sync()
+            t = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(x)
+            self._sync()
+            return (time.perf_counter() - t) / n * 1e6
+
+        per_call = {str(t): mean_us(torch.ones(t, hidden, dtype=dtype, device=self.device),
+                                    iters) for t in token_counts}
+        big = torch.ones(bus_bytes // 2, dtype=torch.bfloat16, device=self.device)
+        us = mean_us(big, max(3, iters // 10))
+        busbw = 2 * (self.tp - 1) / self.tp * big.numel() * 2 / (us * 1e-6) / 1e9
+        return {"all_reduce_us": per_call, "bus_GBps": busbw, "bus_bytes": big.numel() * 2}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _only_rank0(self, out: StepOutput) -> StepOutput | None:
         if self.rank != 0:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench.random_model import build_target, transformers_twin
@@ -72,3 +73,32 @@ def test_engine_overhead_rounds_commit_what_the_instant_runner_accepts():
     outs = [engine.step() for _ in range(3)]
     assert all(len(o.new_token_ids) == 4 for step in outs for o in step)
     assert engine.stats.rounds == 12 and engine.stats.mean_acceptance_length == 4
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bench_engine_through_the_cluster_path(ray_cluster, tp):
+    """--tp N: the steps through the Ray workers and the draft actor, and at TP > 1 the
+    all-reduce per call for a decode's and a verify's tokens against the bus bandwidth."""
+    from bench import engine, engine_cluster
+
+    args = engine.parser().parse_args([
+        "--random-weights", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
+        "--batch-sizes", "1", "2", "--block-sizes", "4", "--prompt-len", "16", "--iters", "2",
+        "--warmup", "1", "--tp", str(tp)])
+    r = engine_cluster.run(args)
+    assert [x["batch"] for x in r["ours"]] == [1, 2]
+    for x in r["ours"]:
+        for key in ("prefill_tok_per_s", "decode_ms", "verify_B4_ms", "draft_B4_ms",
+                    "round_B4_ms"):
+            assert x[key] > 0, key
+        if tp == 1:
+            assert "all_reduce" not in x
+            continue
+        ar = x["all_reduce"]
+        assert ar["bus_GBps"] > 0
+        assert set(ar["by_tokens"]) == {str(x["batch"]), str(4 * x["batch"])}
+        for v in ar["by_tokens"].values():
+            assert v["us_per_call"] > 0 and v["bus_floor_us_per_call"] > 0
+            assert v["ms_per_step"] == pytest.approx(2 * r["layers"] * v["us_per_call"] / 1e3)
+    assert "| batch |" in engine_cluster.table(r)
