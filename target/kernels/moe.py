@@ -32,7 +32,7 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     gu = torch._grouped_mm(x[token_of], gate_up.transpose(1, 2), offs=offs)  # [T·k, 2I]
     y = torch._grouped_mm(fused.silu_mul(gu), down.transpose(1, 2), offs=offs)  # [T·k, H]
     # Back to (token, slot) order (a permutation: no atomics), then the shared fp32 combine.
-    y = torch.empty_like(y).index_copy_(0, order, y)
+    y = torch.empty(y.shape, dtype=y.dtype, device=y.device).index_copy_(0, order, y)
     return fused.weighted_slot_sum(y.view(*topk_ids.shape, -1), topk_weights).to(x.dtype)
 
 
