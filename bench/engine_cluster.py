@@ -14,6 +14,7 @@ directories: run it on one host."""
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -25,8 +26,8 @@ from configs.presets import draft_preset, target_preset
 
 
 def _median_ms(fn, warmup: int, iters: int) -> float:
-    samples, _ = sample_times(fn, iters, warmup, lambda: None)  # ray.get already waited
-    return sorted(samples)[len(samples) // 2] * 1e3
+    samples, _ = sample_times(fn, iters, warmup)  # ray.get has waited for the workers
+    return statistics.median(samples) * 1e3
 
 
 def _model_dirs(args, tmp: Path) -> tuple[str, str, str]:

@@ -39,6 +39,18 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# Where the weights come from: "auto" the checkpoints' safetensors; "dummy" random weights
+# from config.json alone (target/dummy.py; benchmarks and TP checks without the weights).
+# vLLM's name and values.
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def check_load_format(value: str) -> str:
+    if value not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -60,9 +72,7 @@ class EngineConfig:
     # cuda_graphs.py) with the elementwise chains compiled (target/kernels/fused.py); True
     # runs every step eagerly and uncompiled (vLLM's name).
     enforce_eager: bool = False
-    # "auto": the checkpoints' safetensors; "dummy": random weights from config.json alone
-    # (target/dummy.py; benchmarks and TP checks without the weights). vLLM's name.
-    load_format: str = "auto"
+    load_format: str = "auto"  # one of LOAD_FORMATS
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,8 +89,7 @@ class EngineConfig:
                     f"--speculative-dflash-block-size must be an integer in [2, 64], "
                     f"got {self.block_size!r}"
                 )
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        check_load_format(self.load_format)
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_block_size <= 0:

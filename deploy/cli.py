@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of each GPU for weights, activations and the KV cache")
     s.add_argument("--enforce-eager", action="store_true",
                    help="GPU: run every step eagerly instead of replaying CUDA graphs")
-    s.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="dummy: random weights from the model dirs' config.json (benchmarks)")
+    s.add_argument("--load-format", default="auto",
+                   help="auto (the checkpoints) or dummy: random weights from the model dirs' "
+                        "config.json (benchmarks); checked with the other engine settings")
     s.add_argument("--max-waiting", type=int,
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from configs.engine import check_load_format
 from draft.attention import (
     apply_rope,
     paged_block_attention,
@@ -186,17 +187,16 @@ class DFlashDraftModel(nn.Module):
         load_format: str = "auto",
     ) -> DFlashDraftModel:
         """load_format "dummy": random weights (target/dummy.py) from config.json alone."""
+        check_load_format(load_format)
         cfg = DraftConfig.from_pretrained(model_dir)
         if block_size is not None:
             cfg = cfg.with_block_size(block_size)
         model = cls(cfg, dtype=dtype, device=device)
         if load_format == "dummy":
             dummy.init_(model)
-        elif load_format == "auto":
+        else:
             with torch.no_grad():
                 model.load_weights(model_dir)
-        else:
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         return model.eval()
 
     # ---- cache ---------------------------------------------------------------------------

@@ -54,17 +54,21 @@ def init_(module: nn.Module, seed: int = 0) -> nn.Module:
     return module
 
 
+def target_tensor(name: str, cfg, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device, seed: int = 0) -> torch.Tensor:
+    """The full tensor of the target's parameter `name`: a tied lm_head is the embedding."""
+    if cfg.tie_word_embeddings and name == "lm_head.weight":
+        name = "model.embed_tokens.weight"
+    return tensor(name, shape, dtype, device, seed)
+
+
 @torch.no_grad()
 def load_target_dummy(model: nn.Module, seed: int = 0) -> None:
     """Fill a (possibly sharded) target: each parameter's full tensor, drawn as for TP 1, goes
-    through the parameter's own weight loader, which keeps this rank's slice. A tied lm_head
-    takes the embedding's values."""
+    through the parameter's own weight loader, which keeps this rank's slice."""
     cfg = model.config
     with torch.device("meta"):  # full shapes, no memory
         full = dict(type(model)(cfg, SINGLE, model.dtype).named_parameters())
     for name, p in model.named_parameters():
-        source = name
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            source = "model.embed_tokens.weight"
-        value = tensor(source, tuple(full[name].shape), p.dtype, p.device, seed)
+        value = target_tensor(name, cfg, tuple(full[name].shape), p.dtype, p.device, seed)
         p.weight_loader(p, TensorSource(name, value), None)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from configs.engine import check_load_format
 from configs.model import TargetConfig
 from target import dummy
 from target.distributed import SINGLE, TPGroup
@@ -128,9 +129,6 @@ def _load_one(param: torch.nn.Parameter, src: WeightSource, shard_id) -> None:
         param.weight_loader(param, src, shard_id)
 
 
-LOAD_FORMATS = ("auto", "dummy")
-
-
 def load_target(
     model_dir: str | Path,
     tp: TPGroup = SINGLE,
@@ -140,15 +138,14 @@ def load_target(
 ) -> Qwen3_5MoeForCausalLM:
     """load_format "auto": the safetensors in model_dir; "dummy": random weights
     (target/dummy.py), model_dir needs only its config.json."""
+    check_load_format(load_format)
     cfg = TargetConfig.from_pretrained(model_dir)
     with torch.device(device):
         model = Qwen3_5MoeForCausalLM(cfg, tp, dtype)
     if load_format == "dummy":
         dummy.load_target_dummy(model)
-    elif load_format == "auto":
-        load_weights(model, model_dir)
     else:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        load_weights(model, model_dir)
     return model.eval()
 
 
@@ -162,12 +159,12 @@ def load_embedding_and_head(
     with torch.device(device):
         embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, SINGLE, dtype)
         head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, SINGLE, dtype)
-    if load_format == "dummy":  # the values the dummy target holds
-        embed_name = "model.embed_tokens.weight"
-        for param, name in ((embed.weight, embed_name), (head.weight, embed_name
-                            if cfg.tie_word_embeddings else "lm_head.weight")):
+    if check_load_format(load_format) == "dummy":  # the values the dummy target holds
+        for name, param in (("model.embed_tokens.weight", embed.weight),
+                            ("lm_head.weight", head.weight)):
             with torch.no_grad():
-                param.copy_(dummy.tensor(name, tuple(param.shape), param.dtype, param.device))
+                param.copy_(dummy.target_tensor(name, cfg, tuple(param.shape), param.dtype,
+                                                param.device))
         return embed.eval(), head.eval()
     wanted = {"model.embed_tokens.weight": [embed.weight], "lm_head.weight": [head.weight]}
     if cfg.tie_word_embeddings:
