@@ -1,10 +1,10 @@
 """Routed experts as two grouped GEMMs (`torch._grouped_mm`): token-expert pairs sorted by
-expert, one GEMM over all groups for gate_up, one for down, a weighted scatter-add back. No
-Python loop over experts and no host sync (the group offsets stay on the device), so the
-shapes a step sees depend only on its token count: CUDA-graph friendly. Every path here and in
-moe_triton.py rounds where a GEMM does (gate/up, down output) and ends in the same
-`fused.weighted_slot_sum`, so a token's routed output is the same whichever path a step's size
-picks, up to the GEMMs' own summation order.
+expert, one GEMM over all groups for gate_up, one for down, the rows put back in (token,
+slot) order. No Python loop over experts and no host sync (the group offsets stay on the
+device), so the shapes a step sees depend only on its token count: CUDA-graph friendly. Every
+path here and in moe_triton.py rounds where a GEMM does (gate/up, down output) and ends in the
+same `fused.weighted_slot_sum`, so a token's routed output is the same whichever path a step's
+size picks, up to the GEMMs' own summation order.
 
 The per-expert loop in target/layers/moe.py stays the reference (and the CPU default);
 tests/target/test_moe_kernel.py compares the three."""
