@@ -9,8 +9,11 @@ differently (other batch shapes, other reduction orders), so the argmax can flip
 two logits are within rounding of each other; anywhere else a flip means a rollback or cache
 bug. For each first divergence this recomputes the target-only logits at that position (one
 cache-free forward of prompt + the agreed prefix, in the same dtype) and reports the top-2 gap
-in units of the bf16 spacing at the top logit's magnitude (`gap_ulps`), and whether the
-speculative token is the runner-up."""
+in units of the bf16 spacing at the top logit's magnitude (`gap_ulps`), whether the
+speculative token is the runner-up, its rank among those logits, and the gap between the two
+tokens actually chosen (`chosen_gap_ulps`: target-only's logit minus speculative's, in the same
+spacings; where several tokens tie, the speculative one need not be the runner-up, and this is
+the gap that matters)."""
 
 from __future__ import annotations
 
@@ -64,14 +67,19 @@ def check(spec: LLMEngine, ref: LLMEngine, prompts: list[list[int]], max_tokens:
         logits = last_logits(ref, prompts[i] + w.output_ids[:at])
         top2 = logits.topk(2)
         gap = float(top2.values[0] - top2.values[1])
-        ulps = gap / bf16_spacing(float(top2.values[0]))
+        spacing = bf16_spacing(float(top2.values[0]))
+        ulps = gap / spacing
+        taken = g.output_ids[at] if at < len(g.output_ids) else None
+        chosen = None if taken is None or at >= len(w.output_ids) else \
+            float(logits[w.output_ids[at]] - logits[taken]) / spacing
         divergences.append({
             "prompt": i, "position": at,
             "target_only": w.output_ids[at] if at < len(w.output_ids) else None,
-            "speculative": g.output_ids[at] if at < len(g.output_ids) else None,
+            "speculative": taken,
             "top2_gap": gap, "gap_ulps": ulps,
-            "speculative_is_runner_up": at < len(g.output_ids)
-            and int(top2.indices[1]) == g.output_ids[at],
+            "speculative_is_runner_up": taken is not None and int(top2.indices[1]) == taken,
+            "speculative_rank": None if taken is None else int((logits > logits[taken]).sum()),
+            "chosen_gap_ulps": chosen,
             "near_tie": ulps <= NEAR_TIE_ULPS})
     tokens = sum(len(w.output_ids) for w in want)
     matched = sum(min(first_divergence(g.output_ids, w.output_ids), len(w.output_ids))
@@ -81,6 +89,8 @@ def check(spec: LLMEngine, ref: LLMEngine, prompts: list[list[int]], max_tokens:
         "token_match_rate": matched / tokens,  # tokens before each output's first divergence
         "divergences": divergences,
         "all_divergences_near_ties": all(d["near_tie"] for d in divergences),
+        "max_chosen_gap_ulps": max((d["chosen_gap_ulps"] for d in divergences
+                                    if d["chosen_gap_ulps"] is not None), default=None),
         "mean_acceptance_length": spec.stats.mean_acceptance_length,
         "cuda_graphs": {"speculative": captured_shapes(spec), "target_only": captured_shapes(ref)},
     }

@@ -55,6 +55,9 @@ def test_a_planted_divergence_is_located_and_measured():
     top = logits.topk(2).values
     assert d["top2_gap"] == float(top[0] - top[1])
     assert d["gap_ulps"] == d["top2_gap"] / bf16_spacing(float(top[0]))
+    # the runner-up was taken: rank 1, and the chosen pair's gap is the top-2 gap
+    assert d["speculative_rank"] == 1 and d["chosen_gap_ulps"] == d["gap_ulps"]
+    assert report["max_chosen_gap_ulps"] == d["chosen_gap_ulps"]
     assert report["identical_outputs"] == 2 and report["token_match_rate"] < 1.0
 
 
