@@ -41,7 +41,8 @@ from draft.proposer import DraftRunner
 from target.kernels import fused
 from target.layers.attention import GatedAttention
 from target.layers.gdn import GatedDeltaNet
-from target.layers.moe import FusedExperts
+from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from target.layers.moe import FusedExperts, SparseMoE
 from workers.cache import allocate_target_caches
 from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, num_scratch_pages
 from workers.model_runner import ModelRunner, SeqInput
@@ -225,6 +226,12 @@ def parser() -> argparse.ArgumentParser:
                    help="draft blocks through FlexAttention over the paged cache")
     p.add_argument("--moe", choices=["auto", "pairs", "grouped", "gathered", "reference"],
                    default="auto", help="routed-expert kernel (auto: see FusedExperts)")
+    p.add_argument("--dense", choices=["torch", "small"], default="torch",
+                   help="dense projections (target/layers/linear.py dense()): F.linear, or the "
+                        "small-row Triton GEMV up to 16 rows")
+    p.add_argument("--moe-inputs", choices=["fused", "separate"], default="separate",
+                   help="router, shared expert gate/up and its gate as one GEMM (SparseMoE) or "
+                        "three")
     p.add_argument("--no-fuse", action="store_true",
                    help="leave the elementwise chains uncompiled (target/kernels/fused.py; the "
                         "engine compiles them whenever it captures CUDA graphs)")
@@ -251,6 +258,7 @@ def main() -> None:
     fused.enable(not args.no_fuse and not args.enforce_eager)
     DraftAttention.flex_blocks = args.draft_attention == "flex"
     GatedDeltaNet.batched_rounds = args.gdn_rounds == "batched"
+    SparseMoE.fused_inputs = args.moe_inputs == "fused"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.random_weights:
         raw = target_preset(args.preset)
@@ -267,6 +275,8 @@ def main() -> None:
     for m in target.modules():
         if isinstance(m, FusedExperts):
             m.kernel = args.moe
+        if isinstance(m, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
+            m.kernel = args.dense
     bw = measure_bandwidth(device, nbytes=(2 << 30) if device.type == "cuda" else (64 << 20))
     results = {"args": vars(args), "device": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu", "torch": torch.__version__,

@@ -13,7 +13,7 @@ from target.distributed import TPGroup, all_reduce
 from target.kernels import fused
 from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
 from target.kernels.moe_triton import PAIR_MAX, pair_experts, pair_experts_available
-from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, dense
 from target.weights import WeightSource, copy_into, expect_shape
 
 
@@ -102,6 +102,15 @@ class FusedExperts(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    """The router, the shared expert's gate/up and its gate all read x: their weights are row
+    views of one [E + 2·I_shared/tp + 1, H] tensor (`in_proj`, filled by their own loaders),
+    so a step can run one GEMM for the three (`fused_inputs`). At one row on the H200 the three
+    GEMMs took 5.7 + 12.7 + 4.0 µs per layer (bench/linear_kernel.py, 2026-12-04). Off by
+    default until bench/engine.py --moe-inputs fused has been measured against separate: the
+    one A/B attempted so far ran out of device time (docs/BENCHMARKS.md)."""
+
+    fused_inputs = False
+
     def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.tp = tp
@@ -111,20 +120,33 @@ class SparseMoE(nn.Module):
         self.experts = FusedExperts(cfg, tp, dtype)
         self.shared_expert = SharedExpert(h, shared, tp, dtype)
         self.shared_expert_gate = ReplicatedLinear(h, 1, dtype)
+        parts = (self.gate, self.shared_expert.gate_up_proj, self.shared_expert_gate)
+        self.in_sizes = [p.weight.shape[0] for p in parts]
+        self.register_buffer("in_proj", torch.empty(sum(self.in_sizes), h, dtype=dtype),
+                             persistent=False)
+        for layer, rows in zip(parts, self.in_proj.split(self.in_sizes), strict=True):
+            loader = layer.weight.weight_loader
+            layer.weight = nn.Parameter(rows, requires_grad=False)
+            layer.weight.weight_loader = loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = fused.moe_route(self.gate(x), self.top_k, x.dtype)  # [T, k]
+        if self.fused_inputs:
+            logits, gate_up, shared_gate = dense(x, self.in_proj, self.gate.kernel).split(
+                self.in_sizes, dim=-1)  # [T, E], [T, 2·I_shared/tp], [T, 1]
+        else:
+            logits, gate_up, shared_gate = (self.gate(x), self.shared_expert.gate_up_proj(x),
+                                            self.shared_expert_gate(x))
+        topk_weights, topk_ids = fused.moe_route(logits, self.top_k, x.dtype)  # [T, k]
         routed = self.experts(x, topk_ids, topk_weights)
-        out = fused.shared_expert_combine(routed, self.shared_expert(x),
-                                          self.shared_expert_gate(x))
+        shared = self.shared_expert.down_proj(fused.silu_mul(gate_up))
+        out = fused.shared_expert_combine(routed, shared, shared_gate)
         return all_reduce(out, self.tp)
 
 
 class SharedExpert(nn.Module):
+    """The shared expert's weights; SparseMoE runs its gate_up inside its fused input GEMM."""
+
     def __init__(self, hidden: int, inter: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], tp, dtype)
         self.down_proj = RowParallelLinear(inter, hidden, tp, dtype, reduce=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))

@@ -96,3 +96,15 @@ def test_bf16_checkpoint_loads_and_runs(tiny_models):
     assert h.model.model.layers[0].linear_attn.A_log.dtype == torch.float32
     out = h.logits([h.seq(0, [1, 2, 3, 4, 5], 0, h.pages(16), 0)], verify=False)[0]
     assert out.shape == (5, h.model.config.vocab_size) and torch.isfinite(out).all()
+
+
+def test_moe_inputs_fused_match_transformers_too(tiny_models, hf, monkeypatch):
+    """SparseMoE's router, shared gate/up and shared gate as one GEMM (the opt-in of
+    bench/engine.py --moe-inputs fused) agree with transformers like the default three do."""
+    from target.layers.moe import SparseMoE
+
+    monkeypatch.setattr(SparseMoE, "fused_inputs", True)
+    h = TargetHarness(tiny_models / "target")
+    prompt = torch.randint(0, 300, (17,), generator=torch.Generator().manual_seed(3)).tolist()
+    (mine,) = h.logits([h.seq(0, prompt, 0, h.pages(64), 0)], verify=False)
+    torch.testing.assert_close(mine, hf_logits(hf, prompt), atol=ATOL, rtol=0)
