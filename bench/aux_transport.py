@@ -12,6 +12,9 @@ ends when the child has the tensors on its device and its stream is synchronised
   pickle  .cpu() → pickle → bytes over the pipe → unpickle → .to(device)
   ring_stream_wait (cuda only)  the ring with the reader's stream, not its host, waiting on the
           event: the alternative workers/aux_transport.py rejects, kept here to show why
+  pair    (--pair-device) the transport of a draft on another device: put (copy into a send
+          slot, post the send) → ref over the pipe → get (recv into the reader's buffer);
+          NCCL between two GPUs (--device cuda:0 --pair-device cuda:1), gloo on CPU
 The pipe copies the pickled bytes through the kernel where Ray's plasma store copies them into
 shared memory, and today's path makes two such hops (rank 0 → driver → draft), not one.
 Plain torch, no Ray. Defaults: D = 5·2048 (the 35B-A3B draft), bf16 on CUDA, fp32 on CPU."""
@@ -42,11 +45,11 @@ def _reader(conn, device_name: str) -> None:
     device = torch.device(device_name)
     receiver = None
     while (msg := conn.recv()) is not None:
-        if msg[0] == "open":
-            receiver = AuxReceiver.open(msg[1], device)
+        if msg[0] == "open":  # ("open", spec[, device]): a pair's reader sits on another one
+            receiver = AuxReceiver.open(msg[1], msg[2] if len(msg) > 2 else device)
         elif msg[0] == "ring":
             aux, pos = receiver.get(msg[1])
-            _sync(device)
+            _sync(receiver.device)
         elif msg[0] == "ring_stream_wait":  # the reader wait the module rejects, for comparison
             ref = msg[1]
             torch.cuda.current_stream(device).wait_event(receiver._copied)
@@ -79,7 +82,7 @@ def _pickled(conn, aux: torch.Tensor, pos: torch.Tensor) -> None:
 
 
 def bench_rows(conn, n: int, width: int, dtype: torch.dtype, device: torch.device,
-               iters: int) -> dict:
+               iters: int, pair_device: str | None = None) -> dict:
     # Two slots suffice: every round waits for the reader's ack (the contract's limit).
     sender = make_aux_sender(device, num_slots=2, max_rows=n, width=width, dtype=dtype)
     _call(conn, "open", sender.spec())
@@ -93,6 +96,15 @@ def bench_rows(conn, n: int, width: int, dtype: torch.dtype, device: torch.devic
             lambda: _call(conn, "ring_stream_wait", sender.put(aux, pos)), iters)
     _call(conn, "close")
     sender.close()
+    if pair_device is not None:
+        sender = make_aux_sender(device, num_slots=2, max_rows=n, width=width, dtype=dtype,
+                                 pair=True)
+        conn.send(("open", sender.spec(), pair_device))
+        sender.connect()  # meets the reader's open
+        conn.recv()
+        row["pair"] = timeit(lambda: _call(conn, "ring", sender.put(aux, pos)), iters)
+        _call(conn, "close")
+        sender.close()
     return row
 
 
@@ -103,6 +115,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=5 * 2048)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--pair-device", help="also the pair transport, its reader on this device "
+                   "(cuda:1 with two GPUs; cpu for gloo)")
     args = p.parse_args()
     device = torch.device("cuda", 0) if args.device.startswith("cuda") else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -113,7 +127,7 @@ def main() -> None:
     child.start()
     results = {"ping": timeit(lambda: _call(conn, "ping"), args.iters), "rows": []}
     for n in args.rows:
-        row = bench_rows(conn, n, args.width, dtype, device, args.iters)
+        row = bench_rows(conn, n, args.width, dtype, device, args.iters, args.pair_device)
         results["rows"].append(row)
         print(f"N={n:5d} {row['mib']:8.2f} MiB", "  ".join(
             f"{k} {v['median_us']:.1f} / {v['p90_us']:.1f} us" for k, v in row.items()

@@ -238,6 +238,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (rounds and proposals run eagerly)")
     p.add_argument("--gdn-rounds", choices=["batched", "per-seq"], default="batched")
+    p.add_argument("--draft-placement", choices=["colocated", "separate"],
+                   default="colocated", help="with --tp: the draft on rank 0's GPU or on one "
+                   "of its own (aux features over NCCL)")
     p.add_argument("--tp", type=int, help="through the cluster path with N tensor-parallel "
                    "Ray workers and the draft actor (bench/engine_cluster.py); no floors, "
                    "no baseline, the kernel switches above do not apply")

@@ -60,7 +60,8 @@ def run(args) -> dict:
             dtype=args.dtype, max_num_seqs=big_b, max_model_len=pages * args.page_size,
             kv_block_size=args.page_size, num_kv_blocks=big_b * pages,
             max_num_batched_tokens=max(big_b * args.prompt_len, 8192),
-            enforce_eager=args.enforce_eager, load_format=load_format)
+            enforce_eager=args.enforce_eager, load_format=load_format,
+            draft_placement=args.draft_placement)
         cluster = RayEngineCluster(cfg, args.tp)
         try:
             tcfg = cluster.plan.target_config

@@ -1,12 +1,14 @@
 """The engine's runner and drafter as Ray actors: one placement group per engine (bundles
 {GPU: 1, CPU: 1} × tp, STRICT_PACK; {CPU: 1} × tp when the engine runs on CPU), one
-TargetWorker per bundle, the DraftWorker sharing bundle 0 with rank 0 (half a GPU each). Same
-methods as ModelRunner / DraftRunner, so LLMEngine drives either.
+TargetWorker per bundle, the DraftWorker sharing bundle 0 with rank 0 (half a GPU each), or with
+`draft_placement: separate` in a bundle (a GPU) of its own, the last. Same methods as
+ModelRunner / DraftRunner, so LLMEngine drives either.
 
 Per round this costs one call per rank for verify and one call to the draft (propose); the
 draft's context write rides the same actor's queue without a wait. Aux features go from
 rank 0 to the draft through a ring both map (workers/aux_transport.py: CUDA IPC on a shared
-GPU, shared memory on CPU); only a small `AuxRef` rides the calls through the driver.
+GPU, shared memory on CPU) or, for a separate draft, an NCCL (gloo on CPU) send/recv pair;
+only a small `AuxRef` rides the calls through the driver.
 
 Failure handling: every wait on an actor is a `ray.wait` loop, so a dead rank surfaces as
 soon as its reply is an error (the other ranks may be stuck in a collective with it) and a
@@ -54,8 +56,15 @@ def wait_all(refs: list, timeout_s: float, what: str) -> list:
     return ray.get(refs)
 
 
-def engine_bundles(tp: int, use_gpu: bool) -> list[dict[str, float]]:
-    return [{"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}] * tp
+def engine_bundles(tp: int, use_gpu: bool, separate_draft: bool = False
+                   ) -> list[dict[str, float]]:
+    """One bundle per TP rank, and one more for a draft on its own GPU (the last)."""
+    return [{"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}] * (tp + int(separate_draft))
+
+
+def separate_draft(cfg: EngineConfig) -> bool:
+    """The engine runs a draft, on a GPU (a bundle) of its own."""
+    return cfg.draft_model is not None and cfg.draft_placement == "separate"
 
 
 class RayTargetGroup:
@@ -116,7 +125,9 @@ class RayEngineCluster:
         self.plan.target_config.check_tp(tp)
         self.use_gpu = cfg.device.startswith("cuda") if use_gpu is None else use_gpu
         self.owns_pg = pg is None
-        self.pg = pg or placement_group(engine_bundles(tp, self.use_gpu), strategy="STRICT_PACK")
+        self.separate_draft = separate_draft(cfg)
+        self.pg = pg or placement_group(engine_bundles(tp, self.use_gpu, self.separate_draft),
+                                        strategy="STRICT_PACK")
         ray.get(self.pg.ready())
         self.workers: list = []
         self.draft = None
@@ -132,6 +143,7 @@ class RayEngineCluster:
         """Load → profile (first start only: the page count is kept for restarts) → allocate."""
         cfg, plan, timeout = self.cfg, self.plan, self.step_timeout_s
         has_draft = plan.draft_config is not None
+        shared = has_draft and not self.separate_draft  # rank 0 and the draft split a GPU
 
         def gpus(share: float) -> float:
             return share if self.use_gpu else 0
@@ -141,7 +153,7 @@ class RayEngineCluster:
         aux_ring_rows = aux_ring_rows if has_draft else 0
         worker_cls = ray.remote(TargetWorker)
         self.workers = [
-            worker_cls.options(num_cpus=1, num_gpus=gpus(0.5 if (i == 0 and has_draft) else 1),
+            worker_cls.options(num_cpus=1, num_gpus=gpus(0.5 if (i == 0 and shared) else 1),
                                scheduling_strategy=self._in_bundle(i), max_restarts=0)
             .remote(cfg, plan.aux_layer_ids, i, self.tp, aux_ring_rows)
             for i in range(self.tp)
@@ -150,18 +162,20 @@ class RayEngineCluster:
         loads = [w.init_model.remote(addr, port) for w in self.workers]
         if has_draft:  # loads alongside the target, so its weights count in rank 0's profile
             self.draft = ray.remote(DraftWorker).options(
-                num_cpus=0, num_gpus=gpus(0.5), scheduling_strategy=self._in_bundle(0),
-                max_restarts=0,
+                num_cpus=0 if shared else 1, num_gpus=gpus(0.5 if shared else 1),
+                scheduling_strategy=self._in_bundle(0 if shared else self.tp), max_restarts=0,
             ).remote(cfg, plan.block_size)
             loads.append(self.draft.ping.remote())
         wait_all(loads, timeout, "model load")
         if has_draft:
             spec = wait_all([self.workers[0].aux_spec.remote()], timeout, "aux ring")[0]
-            wait_all([self.draft.open_aux.remote(spec)], timeout, "aux ring")
+            # Together: a pair transport's two ends rendezvous (the others return at once).
+            wait_all([self.workers[0].connect_aux.remote(), self.draft.open_aux.remote(spec)],
+                     timeout, "aux transport")
         if plan.num_kv_blocks is None:
             refs = [w.profile.remote(plan.block_size) for w in self.workers]
             profiles = wait_all(refs, timeout, "memory profile")
-            if has_draft:  # after the target's: both measure the same GPU
+            if has_draft:  # after the target's: colocated, both measure the same GPU
                 profiles += wait_all([self.draft.profile.remote()], timeout, "draft profile")
             self.plan = plan = plan.with_measured_blocks(profiles, cfg.max_num_seqs)
         actors = [*self.workers, *([self.draft] if has_draft else [])]

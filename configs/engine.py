@@ -51,6 +51,9 @@ def check_load_format(value: str) -> str:
     return value
 
 
+DRAFT_PLACEMENTS = ("colocated", "separate")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -73,6 +76,10 @@ class EngineConfig:
     # runs every step eagerly and uncompiled (vLLM's name).
     enforce_eager: bool = False
     load_format: str = "auto"  # one of LOAD_FORMATS
+    # Where the draft runs under Ray: "colocated" shares TP rank 0's GPU (half of it each; aux
+    # features through CUDA IPC), "separate" takes a GPU of its own (one more placement
+    # bundle; aux features through an NCCL send/recv pair). The in-process engine ignores it.
+    draft_placement: str = "colocated"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -90,6 +97,9 @@ class EngineConfig:
                     f"got {self.block_size!r}"
                 )
         check_load_format(self.load_format)
+        if self.draft_placement not in DRAFT_PLACEMENTS:
+            raise ValueError(f"draft_placement must be one of {DRAFT_PLACEMENTS}, got "
+                             f"{self.draft_placement!r}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_block_size <= 0:

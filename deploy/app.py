@@ -15,7 +15,7 @@ from pathlib import Path
 from ray import serve
 from ray.serve import Application
 
-from cluster.ray_executor import engine_bundles
+from cluster.ray_executor import engine_bundles, separate_draft
 from configs.engine import EngineConfig
 from configs.model import TargetConfig
 from deploy.openai_api import build_app
@@ -56,6 +56,7 @@ class ServeArgs:
     max_waiting: int | None = None  # requests queued for admission before 429; None → 4 × seqs
     enforce_eager: bool = False  # GPU: no CUDA graphs
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
+    draft_placement: str = "colocated"  # "separate": the draft on a GPU of its own
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -109,7 +110,8 @@ class ServeArgs:
             max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
             kv_block_size=self.kv_block_size, num_kv_blocks=self.num_kv_blocks, seed=self.seed,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            enforce_eager=self.enforce_eager, load_format=self.load_format, **extra,
+            enforce_eager=self.enforce_eager, load_format=self.load_format,
+            draft_placement=self.draft_placement, **extra,
         )
 
 
@@ -151,6 +153,6 @@ def build_deployment(a: ServeArgs, num_replicas: int | None = None) -> Applicati
     TargetConfig.from_pretrained(cfg.model).check_tp(a.tp)
     options = {"num_replicas": num_replicas} if num_replicas is not None else {}
     return DFlashServer.options(
-        placement_group_bundles=engine_bundles(a.tp, a.on_gpu),
+        placement_group_bundles=engine_bundles(a.tp, a.on_gpu, separate_draft(cfg)),
         placement_group_strategy="STRICT_PACK", **options,
     ).bind(a)

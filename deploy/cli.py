@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--load-format", default="auto",
                    help="auto (the checkpoints) or dummy: random weights from the model dirs' "
                         "config.json (benchmarks); checked with the other engine settings")
+    s.add_argument("--draft-placement", default="colocated",
+                   help="colocated (the draft shares TP rank 0's GPU) or separate (a GPU of "
+                        "its own; aux features over NCCL)")
     s.add_argument("--max-waiting", type=int,
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
@@ -162,7 +165,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        load_format=args.load_format)
+        load_format=args.load_format, draft_placement=args.draft_placement)
     app = build_deployment(sargs, num_replicas=args.num_replicas)  # ValueError: bad args
 
     import ray

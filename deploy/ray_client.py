@@ -30,6 +30,7 @@ from cluster.engine_types import (
 from cluster.ray_executor import (
     DEFAULT_STEP_TIMEOUT_S,
     engine_bundles,
+    separate_draft,
 )
 from configs.engine import EngineConfig, SamplingParams
 
@@ -68,7 +69,8 @@ class RayEngineClient:
         pg = get_current_placement_group()  # a Serve replica's own, when placed with bundles
         owns_pg = pg is None
         if owns_pg:
-            pg = placement_group(engine_bundles(tp, use_gpu), strategy="STRICT_PACK")
+            pg = placement_group(engine_bundles(tp, use_gpu, separate_draft(cfg)),
+                                 strategy="STRICT_PACK")
         try:
             await pg.ready()
             driver = ray.remote(EngineDriver).options(

@@ -7,11 +7,19 @@ Rings, picked by device in `make_aux_sender`:
   cpu   a POSIX shared-memory segment (/dev/shm, Linux) viewed through `torch.frombuffer`.
   cuda  a CUDA tensor ring shared through CUDA IPC (`reduce_tensor`), plus one interprocess
         event the sender records after each copy and the reader waits on before reading.
-Both need the draft on the same node; cuda also on the same GPU (Ray narrows
-CUDA_VISIBLE_DEVICES to it, so it is cuda:0 in both processes). A draft on another GPU would plug
-in behind the same AuxSender / AuxReceiver interface as an NCCL send/recv pair (not built).
-Steps with more rows than a slot holds (long prefills) fall back to an AuxRef carrying the
-tensors inline on CPU, i.e. the object-store path.
+  pair  a draft on its own GPU (`draft_placement: separate`): a two-process group of its own
+        (NCCL on CUDA, gloo on CPU; a TCPStore on rank 0's node, apart from the TP group).
+        Each put copies into a send slot and posts an async send of it; the receiver's get
+        posts the matching recv into its own buffer. The two must pair one to one, in order:
+        every put's ref reaches exactly one get (the driver feeds every step's ref to the
+        draft; any failure restarts both actors). Before a send slot is rewritten, the stream
+        waits for that slot's earlier send (NCCL: a device-side wait, the host does not block).
+        Both ends open the group together: the driver calls `connect` on rank 0 and
+        `AuxReceiver.open` on the draft at the same time.
+shm and cuda need the draft on the same node; cuda also on the same GPU (Ray narrows
+CUDA_VISIBLE_DEVICES to it, so it is cuda:0 in both processes). Steps with more rows than a
+slot holds (long prefills) fall back to an AuxRef carrying the tensors inline on CPU, i.e. the
+object-store path.
 
 Flow-control contract. The transport never waits and cannot detect misuse: put k overwrites
 slot k % num_slots unconditionally. So when put is called, at most num_slots − 1 earlier puts
@@ -23,6 +31,7 @@ job; breaking it silently hands the reader rows of a newer step.
 
 from __future__ import annotations
 
+import datetime
 import mmap
 import os
 from abc import ABC, abstractmethod
@@ -30,6 +39,7 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,7 +56,7 @@ class AuxRef:
 class AuxRingSpec:
     """What another process needs to open the ring; picklable, a few hundred bytes."""
 
-    kind: str  # "shm" | "cuda"
+    kind: str  # "shm" | "cuda" | "pair"
     num_slots: int
     max_rows: int  # rows per slot
     width: int  # D = n_aux · H
@@ -55,6 +65,9 @@ class AuxRingSpec:
     cuda_aux: tuple = ()  # cuda: reduce_tensor() of the aux ring [S, R, D]
     cuda_positions: tuple = ()  # cuda: reduce_tensor() of the positions ring [S, R]
     cuda_event: bytes = b""  # cuda: ipc_handle() of the copy-done event
+    pair_addr: str = ""  # pair: the TCPStore on rank 0's node
+    pair_port: int = 0
+    pair_backend: str = ""  # pair: "nccl" | "gloo"
 
 
 class AuxSender(ABC):
@@ -81,14 +94,22 @@ class AuxSender(ABC):
             return AuxRef(-1, n, aux.cpu(), positions.cpu())
         slot = self._puts % self.num_slots
         self._puts += 1
+        self._before_write(slot)
         non_blocking = self.aux_ring.is_cuda  # cuda: ordered by the event; cpu: must be done
         self.aux_ring[slot, :n].copy_(aux, non_blocking=non_blocking)
         self.pos_ring[slot, :n].copy_(positions, non_blocking=non_blocking)
-        self._published()
+        self._published(slot, n)
         return AuxRef(slot, n)
 
+    def connect(self) -> None:  # noqa: B027 (a hook: only the pair transport needs it)
+        """Joins the reader (pair: blocks until `AuxReceiver.open` runs on the other side;
+        the others need nothing)."""
+
+    def _before_write(self, slot: int) -> None:  # noqa: B027 (a hook, as connect)
+        """Orders the copy into `slot` after whatever still reads it (pair: its last send)."""
+
     @abstractmethod
-    def _published(self) -> None:
+    def _published(self, slot: int, num_rows: int) -> None:
         """Makes the copy just enqueued visible to readers."""
 
     @abstractmethod
@@ -109,19 +130,20 @@ class AuxReceiver(ABC):
     @staticmethod
     def open(spec: AuxRingSpec, device: torch.device | str) -> AuxReceiver:
         device = _indexed(device)
-        return _CudaReceiver(spec, device) if spec.kind == "cuda" else _ShmReceiver(spec, device)
+        receiver = {"cuda": _CudaReceiver, "shm": _ShmReceiver, "pair": _PairReceiver}
+        return receiver[spec.kind](spec, device)
 
     def get(self, ref: AuxRef) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (aux [N, D], positions [N]) on the receiver's device."""
         if ref.aux is not None:
             return ref.aux.to(self.device), ref.positions.to(self.device)
-        self._before_read()
+        self._before_read(ref)
         n = ref.num_rows
         return (self.aux_ring[ref.slot, :n].to(self.device),
                 self.pos_ring[ref.slot, :n].to(self.device))
 
     @abstractmethod
-    def _before_read(self) -> None:
+    def _before_read(self, ref: AuxRef) -> None:
         """Orders the reads that follow after the sender's copy."""
 
     def close(self) -> None:
@@ -130,8 +152,11 @@ class AuxReceiver(ABC):
 
 
 def make_aux_sender(device: torch.device | str, num_slots: int, max_rows: int, width: int,
-                    dtype: torch.dtype) -> AuxSender:
+                    dtype: torch.dtype, pair: bool = False) -> AuxSender:
+    """pair: the reader is on another device (its own GPU), else it shares this one."""
     device = _indexed(device)
+    if pair:
+        return _PairSender(device, num_slots, max_rows, width, dtype)
     if device.type == "cuda":
         return _CudaSender(device, num_slots, max_rows, width, dtype)
     return _ShmSender(num_slots, max_rows, width, dtype)
@@ -182,7 +207,7 @@ class _ShmSender(AuxSender):
         self.aux_ring, self.pos_ring = _map_rings(self._shm.name, num_slots, max_rows, width,
                                                   dtype, create=True)
 
-    def _published(self) -> None:
+    def _published(self, slot: int, num_rows: int) -> None:
         pass  # copy_ into host memory has finished; the Ray hops carrying the ref order the rest
 
     def spec(self) -> AuxRingSpec:
@@ -201,7 +226,7 @@ class _ShmReceiver(AuxReceiver):
         self.aux_ring, self.pos_ring = _map_rings(spec.shm_name, spec.num_slots, spec.max_rows,
                                                   spec.width, spec.dtype)
 
-    def _before_read(self) -> None:
+    def _before_read(self, ref: AuxRef) -> None:
         pass
 
 
@@ -226,7 +251,7 @@ class _CudaSender(AuxSender):
         self._copied = torch.cuda.Event(interprocess=True)
         self._copied.record(torch.cuda.current_stream(device))  # creates it on this device
 
-    def _published(self) -> None:
+    def _published(self, slot: int, num_rows: int) -> None:
         self._copied.record(torch.cuda.current_stream(self.device))
 
     def spec(self) -> AuxRingSpec:
@@ -254,5 +279,88 @@ class _CudaReceiver(AuxReceiver):
                              f"the draft must share the GPU of TP rank 0")
         self._copied = torch.cuda.Event.from_ipc_handle(device, spec.cuda_event)
 
-    def _before_read(self) -> None:
+    def _before_read(self, ref: AuxRef) -> None:
         self._copied.synchronize()
+
+
+# ---- pair: a two-process NCCL / gloo group -------------------------------------------------
+# Its own group, built straight from a store, so neither the TP group (the default process
+# group of the target's ranks) nor the draft's process needs to know of the other.
+
+PAIR_TIMEOUT = datetime.timedelta(minutes=10)  # the group's ops; the driver's timeouts act first
+
+
+def _pair_group(store: dist.Store, rank: int, backend: str) -> dist.ProcessGroup:
+    prefixed = dist.PrefixStore("aux_pair", store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = PAIR_TIMEOUT
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, 2, PAIR_TIMEOUT)
+
+
+class _PairSender(AuxSender):
+    def __init__(self, device: torch.device, num_slots: int, max_rows: int, width: int,
+                 dtype: torch.dtype):
+        super().__init__(num_slots, max_rows, width, dtype)
+        import ray
+
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.aux_ring = torch.empty(num_slots, max_rows, width, dtype=dtype, device=device)
+        self.pos_ring = torch.empty(num_slots, max_rows, dtype=torch.int64, device=device)
+        self.addr = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self._store = dist.TCPStore(self.addr, 0, 2, is_master=True, timeout=PAIR_TIMEOUT,
+                                    wait_for_workers=False)  # port 0: a free one
+        self._group: dist.ProcessGroup | None = None
+        self._sends: list[list] = [[] for _ in range(num_slots)]  # each slot's last sends
+
+    def connect(self) -> None:
+        self._group = _pair_group(self._store, 0, self.backend)
+
+    def _before_write(self, slot: int) -> None:
+        for work in self._sends[slot]:
+            work.wait()  # NCCL: the current stream waits for the send; gloo: the host does
+        self._sends[slot] = []
+
+    def _published(self, slot: int, num_rows: int) -> None:
+        if self._group is None:
+            raise RuntimeError("aux pair: put before connect()")
+        if num_rows:  # the receiver skips empty steps too
+            self._sends[slot] = [self._group.send([self.aux_ring[slot, :num_rows]], 1, 0),
+                                 self._group.send([self.pos_ring[slot, :num_rows]], 1, 1)]
+
+    def spec(self) -> AuxRingSpec:
+        return AuxRingSpec("pair", self.num_slots, self.max_rows, self.width, self.dtype,
+                           pair_addr=self.addr, pair_port=self._store.port,
+                           pair_backend=self.backend)
+
+    def close(self) -> None:
+        self._sends = [[] for _ in range(self.num_slots)]
+        self._group = None
+
+
+class _PairReceiver(AuxReceiver):
+    """One receive buffer, not a ring: a recv is ordered after the reader's earlier work on
+    its stream (NCCL), or done before get returns (gloo), so the previous step's rows are
+    consumed before they are overwritten."""
+
+    def __init__(self, spec: AuxRingSpec, device: torch.device):
+        super().__init__(device)
+        store = dist.TCPStore(spec.pair_addr, spec.pair_port, 2, is_master=False,
+                              timeout=PAIR_TIMEOUT)
+        self._group = _pair_group(store, 1, spec.pair_backend)
+        self.aux_ring = torch.empty(1, spec.max_rows, spec.width, dtype=spec.dtype,
+                                    device=device)
+        self.pos_ring = torch.empty(1, spec.max_rows, dtype=torch.int64, device=device)
+
+    def get(self, ref: AuxRef) -> tuple[torch.Tensor, torch.Tensor]:
+        if ref.aux is None:
+            ref = AuxRef(0, ref.num_rows)  # every step lands in the one buffer
+        return super().get(ref)
+
+    def _before_read(self, ref: AuxRef) -> None:
+        n = ref.num_rows
+        if n:
+            self._group.recv([self.aux_ring[0, :n]], 0, 0).wait()
+            self._group.recv([self.pos_ring[0, :n]], 0, 1).wait()

@@ -66,12 +66,17 @@ class TargetWorker:
                                  device=self.device, load_format=self.cfg.load_format)
         if self.aux_ring_rows:  # before the memory profile, so the ring counts as used
             width = len(self.aux_layer_ids) * self.model.config.hidden_size
-            self.aux_sender = make_aux_sender(self.device, AUX_RING_SLOTS, self.aux_ring_rows,
-                                              width, self.model.dtype)
+            self.aux_sender = make_aux_sender(
+                self.device, AUX_RING_SLOTS, self.aux_ring_rows, width, self.model.dtype,
+                pair=self.cfg.draft_placement == "separate")
         return self.rank
 
     def aux_spec(self) -> AuxRingSpec:
         return self.aux_sender.spec()
+
+    def connect_aux(self) -> None:
+        """Joins the draft's end of the transport (called together with its open_aux)."""
+        self.aux_sender.connect()
 
     @torch.inference_mode()
     def profile(self, block_size: int) -> MemoryProfile | None:

@@ -190,3 +190,8 @@ def test_greedy_requests_batched_with_sampled_ones_stay_exact(demo_reference):
     outs = spec.generate(prompts[:8] + prompts[:4], params[:8] + sampled)
     assert [o.output_ids for o in outs[:8]] == want[:8]
     assert all(len(o.output_ids) >= 1 for o in outs[8:])
+
+
+def test_a_bad_draft_placement_names_the_field():
+    with pytest.raises(ValueError, match="draft_placement must be one of"):
+        EngineConfig(model=str(DEMO / "target"), draft_placement="remote")

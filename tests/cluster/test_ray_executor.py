@@ -1,5 +1,6 @@
-"""The engine over Ray actors: tensor-parallel TargetWorkers (gloo on CPU) and a colocated
-DraftWorker give exactly the in-process engine's greedy tokens."""
+"""The engine over Ray actors: tensor-parallel TargetWorkers (gloo on CPU) and a DraftWorker,
+colocated with rank 0 or in a bundle of its own, give exactly the in-process engine's greedy
+tokens."""
 
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ def prompts_and_params(n: int):
     return prompts, params
 
 
-def config(draft: bool) -> EngineConfig:
+def config(draft: bool, placement: str = "colocated") -> EngineConfig:
     return EngineConfig(model=str(DEMO / "target"), draft_model=str(DEMO / "draft") if draft
                         else None, block_size=8 if draft else None, max_num_seqs=8,
-                        kv_block_size=4)
+                        kv_block_size=4, draft_placement=placement)
 
 
 @pytest.fixture(scope="module")
@@ -38,31 +39,48 @@ def reference():
     return prompts, params, [o.output_ids for o in outs]
 
 
-# use_gpu: the GPU placement ({GPU: 1, CPU: 1} bundles, draft and rank 0 on half a GPU each)
-# exercised with the session cluster's fake GPUs; the computation stays on CPU.
-@pytest.mark.parametrize(("tp", "draft", "use_gpu"),
-                         [(1, True, False), (2, True, True), (2, False, False), (4, True, False)])
-def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, draft, use_gpu):
+# use_gpu: the GPU placement ({GPU: 1, CPU: 1} bundles, draft and rank 0 on half a GPU each,
+# or the draft on a whole one in an extra bundle) exercised with the session cluster's fake
+# GPUs; the computation stays on CPU. "separate": aux features over the gloo pair.
+@pytest.mark.parametrize(("tp", "draft", "use_gpu", "placement"),
+                         [(1, True, False, "colocated"), (2, True, True, "colocated"),
+                          (2, False, False, "colocated"), (4, True, False, "colocated"),
+                          (2, True, True, "separate")])
+def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, draft, use_gpu,
+                                                  placement):
+    import ray
+
     prompts, params, want = reference
-    cluster = RayEngineCluster(config(draft), tp, use_gpu=use_gpu)
+    cluster = RayEngineCluster(config(draft, placement), tp, use_gpu=use_gpu)
     try:
         got = [o.output_ids for o in cluster.engine.generate(prompts, params)]
         assert got == want
         if draft:
             assert cluster.engine.stats.accepted_at[0] > 0
+        bundles = cluster.pg.bundle_specs
+        assert len(bundles) == tp + (placement == "separate" and draft)
+        if draft and use_gpu:  # the draft's GPU share: half of rank 0's, or one of its own
+            draft_gpu = ray.get(cluster.draft.__ray_call__.remote(
+                lambda self: ray.get_gpu_ids()))
+            shared = ray.get(cluster.workers[0].__ray_call__.remote(
+                lambda self: ray.get_gpu_ids()))
+            assert (draft_gpu == shared) == (placement == "colocated")
     finally:
         cluster.shutdown()
 
 
-def test_aux_ring_feeds_the_draft_exactly_what_the_in_process_engine_feeds(ray_cluster):
-    """The draft's inputs travel through the shared-memory ring under Ray. Wrong rows would
-    not change greedy outputs (verification fixes them) but would change acceptance, so compare
-    acceptance lengths with the in-process engine. A prefill budget of 7 tokens makes several
-    prefill steps in a row: more context writes outstanding than the ring has slots, unless
-    the driver's flow control holds them back."""
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_aux_ring_feeds_the_draft_exactly_what_the_in_process_engine_feeds(ray_cluster,
+                                                                           placement):
+    """The draft's inputs travel through the shared-memory ring (colocated) or the gloo pair
+    (separate) under Ray. Wrong rows would not change greedy outputs (verification fixes them)
+    but would change acceptance, so compare acceptance lengths with the in-process engine. A
+    prefill budget of 7 tokens makes several prefill steps in a row: more context writes
+    outstanding than the ring has slots, unless the driver's flow control holds them back."""
     prompts, params = prompts_and_params(6)
     cfg = EngineConfig(model=str(DEMO / "target"), draft_model=str(DEMO / "draft"),
-                       block_size=8, max_num_seqs=8, kv_block_size=4, max_num_batched_tokens=7)
+                       block_size=8, max_num_seqs=8, kv_block_size=4, max_num_batched_tokens=7,
+                       draft_placement=placement)
     want = LLMEngine(cfg).generate(prompts, params)
     cluster = RayEngineCluster(cfg, 1)
     try:

@@ -76,16 +76,18 @@ def test_engine_overhead_rounds_commit_what_the_instant_runner_accepts():
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("tp", [1, 2])
-def test_bench_engine_through_the_cluster_path(ray_cluster, tp):
-    """--tp N: the steps through the Ray workers and the draft actor, and at TP > 1 the
-    all-reduce per call for a decode's and a verify's tokens against the bus bandwidth."""
+@pytest.mark.parametrize(("tp", "placement"), [(1, "colocated"), (2, "colocated"),
+                                               (2, "separate")])
+def test_bench_engine_through_the_cluster_path(ray_cluster, tp, placement):
+    """--tp N: the steps through the Ray workers and the draft actor (on rank 0's device or
+    its own), and at TP > 1 the all-reduce per call for a decode's and a verify's tokens
+    against the bus bandwidth."""
     from bench import engine, engine_cluster
 
     args = engine.parser().parse_args([
         "--random-weights", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
         "--batch-sizes", "1", "2", "--block-sizes", "4", "--prompt-len", "16", "--iters", "2",
-        "--warmup", "1", "--tp", str(tp)])
+        "--warmup", "1", "--tp", str(tp), "--draft-placement", placement])
     r = engine_cluster.run(args)
     assert [x["batch"] for x in r["ours"]] == [1, 2]
     for x in r["ours"]:

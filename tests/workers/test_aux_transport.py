@@ -178,3 +178,40 @@ def test_cuda_reader_in_a_spawned_process(dtype):
         _finish(proc, conn)
     finally:
         sender.close()
+
+
+# ---- pair: a draft on its own device (gloo on CPU; NCCL needs two GPUs) ----------------------
+
+def test_pair_transport_to_a_spawned_reader():
+    senders = [make_aux_sender("cpu", num_slots=3, max_rows=16, width=6, dtype=d, pair=True)
+               for d in DTYPES]
+    specs = [s.spec() for s in senders]
+    assert all(s.kind == "pair" and s.pair_backend == "gloo" for s in specs)
+    assert len(pickle.dumps(specs[0])) < 1024
+    proc, conn = _spawn_reader(specs, "cpu")
+    try:
+        for s in senders:  # the reader opens its ends in this order; each open meets a connect
+            s.connect()
+        for i, sender in enumerate(senders):
+            for seed, n in enumerate([16, 3, 0, 9, 17, 1, 5]):  # wraps; empty; 17 rows inline
+                ref = sender.put(*_data(seed, n, 6, sender.dtype))
+                assert (ref.aux is not None) == (n > 16)
+                conn.send((i, ref, seed))
+                assert conn.recv(), (sender.dtype, seed)
+        # Puts ahead of the reader, as far as the contract allows (num_slots − 1 unread).
+        refs = [senders[0].put(*_data(50 + j, 4 + j, 6, torch.float32)) for j in range(2)]
+        for j, ref in enumerate(refs):
+            conn.send((0, ref, 50 + j))
+            assert conn.recv()
+        _finish(proc, conn)
+    finally:
+        for s in senders:
+            s.close()
+
+
+def test_pair_put_before_connect_is_refused():
+    sender = make_aux_sender("cpu", num_slots=2, max_rows=4, width=3, dtype=torch.float32,
+                             pair=True)
+    with pytest.raises(RuntimeError, match="before connect"):
+        sender.put(*_data(0, 2, 3, torch.float32))
+    sender.close()
