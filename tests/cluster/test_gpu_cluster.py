@@ -1,7 +1,8 @@
 """The engine on a real GPU: the KV pool sized from the measured memory profile, greedy
 speculative output equal to target-only, and under Ray the aux features crossing from rank 0 to
 the draft through the CUDA-IPC ring (the draft sees exactly the rows the in-process engine
-feeds it: identical acceptance)."""
+feeds it: identical acceptance), and with several GPUs TP over NCCL and a draft on a GPU of its
+own (skipped where there are too few)."""
 
 from __future__ import annotations
 
@@ -53,5 +54,30 @@ def test_ray_cuda_engine_feeds_the_draft_through_cuda_ipc(ray_cluster, tiny_demo
         got = cluster.engine.generate(prompts, params)
         assert [o.output_ids for o in got] == [o.output_ids for o in want]
         assert [o.acceptance_lengths for o in got] == [o.acceptance_lengths for o in want]
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(("tp", "placement"), [(2, "colocated"), (1, "separate"),
+                                               (2, "separate"), (4, "colocated")])
+def test_ray_cuda_engine_on_several_gpus_equals_target_only(ray_cluster, tiny_demo, tp,
+                                                             placement):
+    """TP over NCCL (and a draft on a GPU of its own, its aux features over the NCCL pair)
+    gives the in-process target-only greedy tokens, fp32, on the tiny pair."""
+    from cluster.ray_executor import RayEngineCluster
+
+    need = tp + (placement == "separate")
+    if torch.cuda.device_count() < need:
+        pytest.skip(f"needs {need} GPUs")
+    prompts, params = workload(6)
+    want = LLMEngine(config(tiny_demo, draft=False, num_kv_blocks=512)).generate(prompts, params)
+    cfg = config(tiny_demo, draft=True, num_kv_blocks=512, max_num_batched_tokens=16,
+                 draft_placement=placement)
+    cluster = RayEngineCluster(cfg, tp)
+    try:
+        got = cluster.engine.generate(prompts, params)
+        assert [o.output_ids for o in got] == [o.output_ids for o in want]
+        assert cluster.engine.stats.accepted_at[0] > 0
     finally:
         cluster.shutdown()
