@@ -7,7 +7,7 @@ put ~2 ms in cuBLAS for ~2.8 GB of per-layer dense weights, about a third of the
 bench/linear_kernel.py (2026-12-04, docs/BENCHMARKS.md) then showed that cuBLAS reads the large
 projections at 73–80 % of the copy bandwidth even at one row. The rest is the sum of many
 small, latency-bound GEMMs (router, k/v, the shared expert: 4–6 µs each), plus one poor pick
-(the shared expert's 1024 × 2048 gate_up: 12.9 µs at one row against 5.9 µs at 16). This
+(the shared expert's 1024 × 2048 gate_up: 12.7 µs at one row against 5.8 µs at 16). This
 kernel's best shapes win on some of these and lose on the large ones, so no single launch shape
 beats F.linear over a whole step. It stays for measurement and for per-shape tuning later.
 
