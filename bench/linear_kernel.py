@@ -28,6 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.timing import graphed
+
 # name: (N, K, calls per decode step). Qwen3.5-35B-A3B: 30 GDN layers, 10 attention layers,
 # 40 MoE layers (each with a shared expert, its sigmoid gate and the router).
 REAL = {
@@ -53,22 +55,6 @@ ROTATE_BYTES = 256 << 20
 L2_BYTES = 50 << 20
 MAX_COPIES = 64
 MIN_CALLS = 32
-
-
-def graphed(calls: list[Callable[[], torch.Tensor]]) -> Callable[[], None]:
-    """The calls captured in one CUDA graph (run first on a side stream: compiles, cuBLAS
-    workspaces)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return graph.replay
 
 
 def us_per_call(calls: list[Callable], device: torch.device, iters: int) -> float:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from bench.floors import measure_bandwidth, sync
-from bench.timing import median_p90, sample_times
+from bench.timing import graphed, median_p90, sample_times
 
 REAL = dict(hidden=2048, inter=512, experts=256, k=8, tokens=[1, 2, 4, 8, 16, 32])
 SMALL = dict(hidden=64, inter=32, experts=16, k=4, tokens=[1, 2])
@@ -38,21 +38,6 @@ POOL = 16
 def make_calls(fn: Callable, pool: list[tuple], gate_up: torch.Tensor,
                down: torch.Tensor, **kw) -> list[Callable[[], torch.Tensor]]:
     return [lambda p=p: fn(p[0], gate_up, down, p[1], p[2], **kw) for p in pool]
-
-
-def graphed(calls: list[Callable[[], torch.Tensor]]) -> Callable[[], None]:
-    """The calls captured in one CUDA graph (warmed up first on a side stream: compiles)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return graph.replay
 
 
 def time_calls(calls: list[Callable], device: torch.device, iters: int) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Wall-clock sampling shared by the benchmarks."""
+"""Wall-clock sampling, and CUDA-graph capture of a list of calls, shared by the benchmarks."""
 
 from __future__ import annotations
 
@@ -31,3 +31,21 @@ def median_p90(samples: list[float], unit: str, digits: int) -> dict[str, float]
     scaled = sorted(x * UNITS[unit] for x in samples)
     return {f"median_{unit}": round(statistics.median(scaled), digits),
             f"p90_{unit}": round(scaled[int(0.9 * (len(scaled) - 1))], digits)}
+
+
+def graphed(calls: list[Callable[[], object]]) -> Callable[[], None]:
+    """The calls captured in one CUDA graph, run once first on a side stream (Triton compiles,
+    cuBLAS workspaces); returns the graph's replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph.replay

@@ -19,16 +19,6 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/cluster/test_gpu_clus
 timeout 200 python3 -m bench.ray_hops --model tests/assets/tiny/target \
   --draft tests/assets/tiny/draft --tp 1 --device cuda --iters 200 \
   --out "$OUT/ray_hops_h200.json" > "$OUT/ray_hops.log" 2>&1 || tail -30 "$OUT/ray_hops.log"
-port=8123
-timeout 150 python3 -m deploy.cli serve --model tests/assets/tiny/target \
-  --draft-model tests/assets/tiny/draft --tp 1 --device cuda --dtype bfloat16 --port $port \
-  > "$OUT/serve.log" 2>&1 &
-for _ in $(seq 75); do sleep 2; grep -q "Ctrl-C\|Error" "$OUT/serve.log" && break; done
-{
-  curl -s localhost:$port/v1/completions -H 'Content-Type: application/json' \
-    -d '{"model": "target", "prompt": "The quick brown fox", "max_tokens": 48, "ignore_eos": true}'
-  echo
-  curl -s localhost:$port/metrics | grep -E "^dflash_(spec_decode|draft_time_per_round_seconds_(sum|count)|verify_time_per_round_seconds_(sum|count)|kv_cache)"
-} | tee "$OUT/serve_gpu.txt"
-pkill -INT -f "deploy.cli serve"; sleep 8
-tail -3 "$OUT/serve.log"
+. tools/serve_smoke.sh
+serve_smoke 1 serve_gpu \
+  "^dflash_(spec_decode|draft_time_per_round_seconds_(sum|count)|verify_time_per_round_seconds_(sum|count)|kv_cache)"

@@ -25,6 +25,7 @@ ngpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 sizes=$(for t in 2 4 8; do [ "$t" -le "$ngpu" ] && printf '%s ' "$t"; done)
 parts=${*:-tests tpcheck bench hops serve}
+. tools/serve_smoke.sh
 
 for part in $parts; do case $part in
 tests)
@@ -57,17 +58,5 @@ hops)
   timeout ${HOPS_TIMEOUT:-200} python3 -m bench.aux_transport --device cuda:0 \
     --pair-device cuda:1 --out "$OUT/aux_pair.json" 2>&1 | grep -v "NCCL INFO" | tail -6 ;;
 serve)
-  port=8123
-  timeout 200 python3 -m deploy.cli serve --model tests/assets/tiny/target \
-    --draft-model tests/assets/tiny/draft --tp 2 --device cuda --dtype bfloat16 --port $port \
-    > "$OUT/serve_tp2.log" 2>&1 &
-  for _ in $(seq 90); do sleep 2; grep -q "Ctrl-C\|Error" "$OUT/serve_tp2.log" && break; done
-  {
-    curl -s localhost:$port/v1/completions -H 'Content-Type: application/json' \
-      -d '{"model": "target", "prompt": "The quick brown fox", "max_tokens": 48, "ignore_eos": true}'
-    echo
-    curl -s localhost:$port/metrics | grep -E "^dflash_(spec_decode|requests_total)"
-  } | tee "$OUT/serve_tp2.txt"
-  pkill -INT -f "deploy.cli serve"; sleep 8
-  grep -v "NCCL INFO" "$OUT/serve_tp2.log" | tail -3 ;;
+  serve_smoke 2 serve_tp2 "^dflash_(spec_decode|requests_total)" ;;
 esac; done

@@ -5,21 +5,17 @@ among 15 other rows; more than 16 rows is refused. On CUDA also bf16 at the real
 F.linear, where the bits of a row are checked for the MMA reduction too (the interpreter's
 tl.dot, numpy's BLAS, changes a row's fp32 bits with its position in the block).
 
-Without CUDA the cases run in Triton's interpreter in one child process (this file run as a
-script): TRITON_INTERPRET=1 only takes effect if set before triton is first imported (see
-tests/target/test_moe_triton.py). The interpreter's bf16 casts truncate where the GPU's round
+Without CUDA the cases run in Triton's interpreter in one child process, this file run as a
+script (tests/target/triton_child.py). The interpreter's bf16 casts truncate where the GPU's round
 to nearest, so there it runs fp16 (numpy's own, rounded) and fp32."""
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import triton_child
 
 triton = pytest.importorskip("triton")
 
@@ -32,7 +28,6 @@ from target.kernels.linear_triton import (  # noqa: E402
     small_linear_available,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 TOL = {"fp16": 1e-3, "fp32": 1e-6}  # relative error norm: the dtype's rounding of the output
 SHAPES = [(40, 48), (96, 200)]  # (N, K): tails along both dims of every launch shape used
@@ -114,35 +109,18 @@ def batch_mismatches(device: str) -> dict[str, int]:
 
 
 def all_case_errors(device: str) -> dict[str, float | str]:
-    """"name/dtype" → error, or the exception's text."""
-    out = {}
-    for name in CASES:
-        for dtype in DTYPES:
-            try:
-                out[f"{name}/{dtype}"] = case_error(name, dtype, device)
-            except Exception as e:  # reported by the test of that case
-                out[f"{name}/{dtype}"] = f"{type(e).__name__}: {e}"
-    return out
+    return triton_child.case_errors(CASES, DTYPES, case_error, device)
 
 
 @pytest.fixture(scope="module")
 def interpreted():
     """The interpreter child's results (None on CUDA, where the tests compute their own)."""
-    if torch.cuda.is_available():
-        return None
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return triton_child.run(__file__)
 
 
 @pytest.fixture(scope="module")
 def errors(interpreted):
-    """"name/dtype" → error: on CUDA computed here, else by the interpreter child."""
-    if interpreted is None:
-        return lambda key: case_error(*key.split("/"), "cuda")
-    return interpreted["errors"].__getitem__
+    return triton_child.error_lookup(interpreted, case_error)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,19 +3,14 @@ token on k = 8 experts, several tokens, an expert shared by tokens, sizes that a
 of the blocks, non-default blocks, strided inputs; fp32 tightly, bf16 at bf16 rounding. On CUDA
 also at the real sizes, against grouped_experts, and inside a CUDA graph.
 
-Without CUDA the cases run in Triton's interpreter in one child process (this file run as a
-script): TRITON_INTERPRET=1 only takes effect if set before triton is first imported, and in a
-whole-suite run torch._dynamo has imported triton during collection already; setting it here
-would also leak into every later test."""
+Without CUDA the cases run in Triton's interpreter in one child process, this file run as a
+script (tests/target/triton_child.py says why)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+import triton_child
 
 triton = pytest.importorskip("triton")
 
@@ -27,7 +22,6 @@ from target.kernels.moe_triton import (  # noqa: E402
     pair_experts_available,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
 # name: (tokens, k, experts, hidden, inter, ids or None for random distinct, extra)
@@ -114,35 +108,18 @@ def consistency(device: str, tokens: int = 6, k: int = 4, experts: int = 8,
 
 
 def all_case_errors() -> dict[str, float | str]:
-    """"name/dtype" → error, or the exception's text."""
-    out = {}
-    for name in CASES:
-        for dtype in DTYPES:
-            try:
-                out[f"{name}/{dtype}"] = case_error(name, dtype, "cpu")
-            except Exception as e:  # reported by the test of that case
-                out[f"{name}/{dtype}"] = f"{type(e).__name__}: {e}"
-    return out
+    return triton_child.case_errors(CASES, DTYPES, case_error, "cpu")
 
 
 @pytest.fixture(scope="module")
 def interpreted():
     """The interpreter child's results (None on CUDA, where the tests compute their own)."""
-    if torch.cuda.is_available():
-        return None
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return triton_child.run(__file__)
 
 
 @pytest.fixture(scope="module")
 def errors(interpreted):
-    """"name/dtype" → error: on CUDA computed here, else by the interpreter child."""
-    if interpreted is None:
-        return lambda key: case_error(*key.split("/"), "cuda")
-    return interpreted["errors"].__getitem__
+    return triton_child.error_lookup(interpreted, case_error)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
