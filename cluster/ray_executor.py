@@ -160,7 +160,7 @@ class RayEngineCluster:
         ]
         addr, port = wait_all([self.workers[0].address.remote()], timeout, "rank 0 address")[0]
         loads = [w.init_model.remote(addr, port) for w in self.workers]
-        if has_draft:  # loads alongside the target, so its weights count in rank 0's profile
+        if has_draft:  # alongside the target (colocated: its weights count in rank 0's profile)
             self.draft = ray.remote(DraftWorker).options(
                 num_cpus=0 if shared else 1, num_gpus=gpus(0.5 if shared else 1),
                 scheduling_strategy=self._in_bundle(0 if shared else self.tp), max_restarts=0,

@@ -65,11 +65,6 @@ class LinearBlocks:
     mma: bool = False
 
 
-# Provisional, not yet measured (to be tuned with `python -m bench.linear_kernel --sweep` on
-# an H200): the widest BLOCK_N in 64/32/16 that still leaves ≥ 2 programs per SM (132 SMs),
-# else 16 (more programs in flight, more bytes in flight); BLOCK_K 256 (128 at BLOCK_N 64, to
-# keep a 16 KB bf16 w tile per stage), at most the power of two ≥ K; the per-row reduction,
-# whose position-independence holds by construction (the MMA's is for the GPU test to show).
 def linear_blocks(n: int, k: int) -> LinearBlocks:
     """The launch shape for a weight [n, k]: a function of the weight alone, never of the row
     count (the summation order, and so the rounding, of a row's result stays put). MMA, 16 ×

@@ -106,8 +106,8 @@ class SparseMoE(nn.Module):
     views of one [E + 2·I_shared/tp + 1, H] tensor (`in_proj`, filled by their own loaders),
     so a step can run one GEMM for the three (`fused_inputs`). At one row on the H200 the three
     GEMMs took 5.7 + 12.7 + 4.0 µs per layer (bench/linear_kernel.py, 2026-12-04). Off by
-    default until bench/engine.py --moe-inputs fused has been measured against separate: the
-    one A/B attempted so far ran out of device time (docs/BENCHMARKS.md)."""
+    default until bench/engine.py --moe-inputs fused has been measured against separate: in
+    the one A/B so far the fused run gave no result within its time limit (docs/BENCHMARKS.md)."""
 
     fused_inputs = False
 
@@ -144,7 +144,8 @@ class SparseMoE(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """The shared expert's weights; SparseMoE runs its gate_up inside its fused input GEMM."""
+    """The shared expert's weights; SparseMoE runs them (gate_up inside its one input GEMM
+    when `fused_inputs`)."""
 
     def __init__(self, hidden: int, inter: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
