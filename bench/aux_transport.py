@@ -16,7 +16,8 @@ ends when the child has the tensors on its device and its stream is synchronised
           slot, post the send) → ref over the pipe → get (recv into the reader's buffer);
           NCCL between two GPUs (--device cuda:0 --pair-device cuda:1), gloo on CPU
 The pipe copies the pickled bytes through the kernel where Ray's plasma store copies them into
-shared memory, and today's path makes two such hops (rank 0 → driver → draft), not one.
+shared memory (the path before the ring made two such hops: rank 0 → driver → draft). A get
+is followed by the release that lets the sender reuse the slot.
 Plain torch, no Ray. Defaults: D = 5·2048 (the 35B-A3B draft), bf16 on CUDA, fp32 on CPU."""
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ def _reader(conn, device_name: str) -> None:
         elif msg[0] == "ring":
             aux, pos = receiver.get(msg[1])
             _sync(receiver.device)
+            receiver.release(msg[1])
         elif msg[0] == "ring_stream_wait":  # the reader wait the module rejects, for comparison
             ref = msg[1]
             torch.cuda.current_stream(device).wait_event(receiver._copied)
             aux = receiver.aux_ring[ref.slot, : ref.num_rows]
             pos = receiver.pos_ring[ref.slot, : ref.num_rows]
             _sync(device)
+            receiver.release(ref)
         elif msg[0] == "pickle":
             aux, pos = pickle.loads(conn.recv_bytes())
             aux, pos = aux.to(device), pos.to(device)

@@ -34,6 +34,7 @@ from bench.floors import cache_bytes, measure_bandwidth, record_routing, sync, w
 from bench.random_model import build_draft, build_target, transformers_twin
 from bench.timing import sample_times
 from cluster.engine import EnginePlan
+from cluster.executor import LocalExecutor
 from configs.engine import SamplingParams
 from configs.presets import draft_preset, target_preset
 from draft.model import DraftAttention
@@ -45,34 +46,33 @@ from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowPara
 from target.layers.moe import FusedExperts, SparseMoE
 from workers.cache import allocate_target_caches
 from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, num_scratch_pages
-from workers.model_runner import ModelRunner, SeqInput
+from workers.messages import NewSeq, StepKind, StepMsg, StepResult
+from workers.model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
-
-
-def timed(device: torch.device, fn, warmup: int, iters: int) -> tuple[float, object]:
-    """Median milliseconds of fn() over iters after warmup calls; returns the last result."""
-    samples, out = sample_times(fn, iters, warmup, lambda: sync(device))
-    return statistics.median(samples) * 1e3, out
+SEQ_ID_BASE = 1 << 30  # the bench's sequence ids (clear of any engine's warm-up ids)
 
 
 class Batch:
-    """b sequences (seq i in state slot i, pages i·P … (i+1)·P − 1) with their caches,
-    advanced by every verify the bench runs; `runner` is a ModelRunner or, through the
-    cluster path, the Ray worker group (the same prefill / verify / release)."""
+    """b sequences (seq i in state slot i, pages i·P … (i+1)·P − 1) driven through an
+    `executor` with step messages, advanced by every round the bench runs. In process the
+    executor is a LocalExecutor over a ModelRunner and a DraftRunner; through the cluster path
+    the engine's ChannelExecutor over the Ray actors: the same steps either way."""
 
-    def __init__(self, runner, b: int, prompt_len: int, max_new: int, page: int, vocab: int):
-        self.runner, self.b, self.vocab = runner, b, vocab
+    def __init__(self, executor, b: int, prompt_len: int, max_new: int, page: int, vocab: int):
+        self.executor, self.b, self.vocab = executor, b, vocab
         self.pages = -(-(prompt_len + max_new) // page)
         self.tables = [list(range(i * self.pages, (i + 1) * self.pages)) for i in range(b)]
         g = torch.Generator().manual_seed(0)
         self.prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
                         for _ in range(b)]
         self.num_cached, self.anchors = [0] * b, [0] * b
+        self.seq_ids = [SEQ_ID_BASE + i for i in range(b)]
+        self.sent, self.step_id = False, 0
 
     @classmethod
-    def in_process(cls, target, aux_ids, b: int, prompt_len: int, max_new: int, page: int,
-                   device: torch.device, cuda_graphs: bool = False) -> Batch:
+    def in_process(cls, target, draft_runner, aux_ids, b: int, prompt_len: int, max_new: int,
+                   page: int, device: torch.device, cuda_graphs: bool = False) -> Batch:
         pages = -(-(prompt_len + max_new) // page)
         num_blocks = b * pages
         scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page) if cuda_graphs else 0
@@ -81,36 +81,83 @@ class Batch:
                              list(range(num_blocks, num_blocks + scratch)), b) \
             if cuda_graphs else None
         runner = ModelRunner(target, caches, aux_ids, device, graphs=graphs)
-        return cls(runner, b, prompt_len, max_new, page, target.config.vocab_size)
+        return cls(LocalExecutor(runner, draft_runner), b, prompt_len, max_new, page,
+                   target.config.vocab_size)
 
-    def prefill(self):
-        out = self.runner.prefill([SeqInput(i, p, 0, self.tables[i], i, GREEDY)
-                                   for i, p in enumerate(self.prompts)])
+    def _run(self, kind: StepKind, **fields) -> StepResult:
+        new = [] if self.sent else [NewSeq(i, p, t, i - SEQ_ID_BASE, GREEDY) for i, p, t in
+                                    zip(self.seq_ids, self.prompts, self.tables, strict=True)]
+        self.sent = True
+        msg = StepMsg(self.step_id, kind, seq_ids=self.seq_ids, new_seqs=new, **fields)
+        self.step_id += 1
+        self.executor.submit(msg)
+        return self.executor.result()
+
+    def prefill(self) -> StepResult:
+        """The whole prompts in one step (again from position 0 on later calls)."""
+        out = self._run(StepKind.PREFILL, starts=[0] * self.b,
+                        chunk_lens=[len(p) for p in self.prompts], samples=[True] * self.b)
         self.num_cached = [len(p) for p in self.prompts]
         self.anchors = [t[-1] for t in out.new_tokens]
         return out
 
-    def verify(self, drafts: list[list[int]]):
-        out = self.runner.verify([
-            SeqInput(i, [self.anchors[i], *drafts[i]], self.num_cached[i], self.tables[i], i,
-                     GREEDY) for i in range(self.b)])
+    def round(self, drafts: list[list[int]] | None = None) -> StepResult:
+        """A round; `drafts` given: verify them (the draft sits out), else the draft's."""
+        out = self._run(StepKind.ROUND, starts=list(self.num_cached),
+                        anchors=list(self.anchors), drafts=drafts)
         for i, (toks, n) in enumerate(zip(out.new_tokens, out.num_accepted, strict=True)):
             self.num_cached[i] += n + 1
             self.anchors[i] = toks[-1]
         return out
 
+    def verify(self, drafts: list[list[int]]) -> StepResult:
+        return self.round(drafts)
+
+    def propose(self) -> StepResult:
+        return self._run(StepKind.PROPOSE, starts=list(self.num_cached),
+                         anchors=list(self.anchors))
+
+    def release(self) -> None:
+        self._run(StepKind.RELEASE, released=list(self.seq_ids))
+        self.sent = False
+
     def random_drafts(self, k: int) -> list[list[int]]:
         return torch.randint(0, self.vocab, (self.b, k)).tolist()
 
 
+def time_steps(batch: Batch, args, sync, block_sizes: list[int],
+               set_block=None) -> dict:
+    """Median ms of each step kind over batch: prefill (once), decode, verify per B, and the
+    draft's proposal and a whole round per B in `block_sizes` (`set_block(B)` switches the
+    draft's B where it can; the cluster's is fixed)."""
+    def timed_ms(fn, warmup: int, iters: int) -> float:
+        samples, _ = sample_times(fn, iters, warmup, sync)
+        return statistics.median(samples) * 1e3
+
+    b, r = batch.b, {"batch": batch.b}
+    ms = timed_ms(batch.prefill, 0, 1)
+    r["prefill_ms"], r["prefill_tok_per_s"] = ms, b * args.prompt_len / ms * 1e3
+    r["decode_ms"] = timed_ms(lambda: batch.verify([[]] * b), args.warmup, args.iters)
+    for B in args.block_sizes:
+        r[f"verify_B{B}_ms"] = timed_ms(lambda B=B: batch.verify(batch.random_drafts(B - 1)),
+                                        args.warmup, args.iters)
+    for B in block_sizes:
+        if set_block is not None:
+            set_block(B)
+        r[f"draft_B{B}_ms"] = timed_ms(batch.propose, args.warmup, args.iters)
+        r[f"round_B{B}_ms"] = timed_ms(batch.round, args.warmup, args.iters)
+    return r
+
+
 def floor_ms(target, batch: Batch, step, num_tokens: int, query_len: int, bw: float) -> float:
     ctx = list(batch.num_cached)
-    graphs, batch.runner.graphs = batch.runner.graphs, None  # the hooks run only eagerly
+    runner = batch.executor.runner
+    graphs, runner.graphs = runner.graphs, None  # the hooks run only eagerly
     try:
         with record_routing(target) as routed:
             step()
     finally:
-        batch.runner.graphs = graphs
+        runner.graphs = graphs
     nbytes = weight_bytes(target, routed, num_tokens) + cache_bytes(target, ctx, query_len)
     return nbytes / bw * 1e3
 
@@ -121,51 +168,35 @@ def bench_batch(target, draft, b: int, args, bw: float, device: torch.device) ->
     max_new = steps_per_kind * (2 + 3 * len(args.block_sizes)) * max(args.block_sizes)
     aux_ids = tuple(draft.cfg.target_layer_ids)
     graphs = device.type == "cuda" and not args.enforce_eager
-    batch = Batch.in_process(target, aux_ids, b, args.prompt_len, max_new, args.page_size,
-                             device, graphs)
-    r: dict = {"batch": b}
-    ms, out = timed(device, batch.prefill, 1, 1)
-    r["prefill_ms"], r["prefill_tok_per_s"] = ms, b * args.prompt_len / ms * 1e3
-    drafter = DraftRunner(draft, b * batch.pages, args.page_size, max(args.block_sizes),
+    pages = -(-(args.prompt_len + max_new) // args.page_size)
+    drafter = DraftRunner(draft, b * pages, args.page_size, max(args.block_sizes),
                           target.embed, target.compute_logits, device,
-                          graph_max_seqs=b if graphs else 0, graph_max_pages=batch.pages)
-    drafter.write_context(out.aux, out.aux_positions, batch.tables, out.num_committed)
+                          graph_max_seqs=b if graphs else 0, graph_max_pages=pages)
+    batch = Batch.in_process(target, drafter, aux_ids, b, args.prompt_len, max_new,
+                             args.page_size, device, graphs)
 
-    r["decode_ms"], _ = timed(device, lambda: batch.verify([[]] * b), args.warmup, args.iters)
-    r["decode_floor_ms"] = floor_ms(target, batch, lambda: batch.verify([[]] * b), b, 1, bw)
-    for B in args.block_sizes:
-        def verify(B=B):
-            return batch.verify(batch.random_drafts(B - 1))
-
-        r[f"verify_B{B}_ms"], _ = timed(device, verify, args.warmup, args.iters)
-        r[f"verify_B{B}_floor_ms"] = floor_ms(target, batch, verify, b * B, B, bw)
+    def set_block(B: int) -> None:
         drafter.block_size = B
 
-        def propose():
-            return drafter.propose(batch.anchors, batch.num_cached, batch.tables)
-
-        r[f"draft_B{B}_ms"], _ = timed(device, propose, args.warmup, args.iters)
-
-        def round_():
-            drafts = propose().tolist()
-            o = batch.verify(drafts)
-            drafter.write_context(o.aux, o.aux_positions, batch.tables, o.num_committed)
-
-        r[f"round_B{B}_ms"], _ = timed(device, round_, args.warmup, args.iters)
+    r = time_steps(batch, args, lambda: sync(device), args.block_sizes, set_block)
+    r["decode_floor_ms"] = floor_ms(target, batch, lambda: batch.verify([[]] * b), b, 1, bw)
+    for B in args.block_sizes:
+        r[f"verify_B{B}_floor_ms"] = floor_ms(
+            target, batch, lambda B=B: batch.verify(batch.random_drafts(B - 1)), b * B, B, bw)
         # The engine's own host work per round (scheduler, sequences, outputs), measured with
         # instant runners at the acceptance τ implies; the AR baseline pays it too (B = 1).
         r[f"engine_overhead_B{B}_ms"] = {
             str(tau): engine_overhead_ms(plan, b, B, min(B - 1, round(tau) - 1))
             for tau in args.taus}
         r["engine_overhead_AR_ms"] = engine_overhead_ms(plan, b, 1, 0)
-        failed = {f"round {k}": v for k, v in batch.runner.graphs.failed.items()} \
-            if graphs else {}
-        failed.update({f"proposal {k}": v for k, v in drafter.failed.items()})
-        r["graph_failures"] = failed  # shapes that ran eagerly: their capture failed
         r[f"projected_speedup_B{B}"] = {
             str(tau): tau * (r["decode_ms"] + r["engine_overhead_AR_ms"])
             / (r[f"round_B{B}_ms"] + r[f"engine_overhead_B{B}_ms"][str(tau)])
             for tau in args.taus}
+    failed = {f"round {k}": v for k, v in batch.executor.runner.graphs.failed.items()} \
+        if graphs else {}
+    failed.update({f"proposal {k}": v for k, v in drafter.failed.items()})
+    r["graph_failures"] = failed  # shapes that ran eagerly: their capture failed
     return r
 
 
@@ -183,7 +214,8 @@ def bench_transformers(hf, device: torch.device, prompt_len: int, vocab: int, ar
         o = hf(input_ids=state["tok"], past_key_values=state["past"], use_cache=True)
         state["past"], state["tok"] = o.past_key_values, o.logits[:, -1:].argmax(-1)
 
-    decode_ms, _ = timed(device, step, args.warmup, args.iters)
+    samples, _ = sample_times(step, args.iters, args.warmup, lambda: sync(device))
+    decode_ms = statistics.median(samples) * 1e3
     return {"batch": 1, "prefill_ms": prefill_ms, "decode_ms": decode_ms}
 
 
@@ -244,6 +276,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, help="through the cluster path with N tensor-parallel "
                    "Ray workers and the draft actor (bench/engine_cluster.py); no floors, "
                    "no baseline, the kernel switches above do not apply")
+    p.add_argument("--control-channel", choices=["auto", "shm", "tcp"], default="auto",
+                   help="with --tp: what carries the step messages (EngineConfig)")
+    p.add_argument("--control-spin-us", type=int, default=None,
+                   help="with --tp: spin before sleeping on the channel (default: by core count)")
     return p
 
 

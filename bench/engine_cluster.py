@@ -1,33 +1,28 @@
 """`bench/engine.py --tp N`: the engine's steps through the cluster path — N tensor-parallel
-TargetWorker actors (NCCL on GPUs, gloo on CPU) and the DFlash draft actor, driven from this
-process as the engine's driver drives them — for each batch size: prefill throughput, decode,
-verify for each B, the draft's proposal and a whole round at the engine's B (the largest
-given), and the all-reduce each decoder layer issues twice per step, timed on the workers'
-own group against the bus bandwidth measured there in the same run.
+TargetWorker actors (NCCL on GPUs, gloo on CPU) and the DFlash draft actor, each in its step
+loop, driven from this process through the engine's ChannelExecutor exactly as the driver
+drives them (the same `Batch` and step messages as the in-process run) — for each batch size:
+prefill throughput, decode, verify for each B, the draft's proposal and a whole round at the
+engine's B (the largest given), and the all-reduce each decoder layer issues twice per step,
+timed on the workers' own group against the bus bandwidth measured there in the same run.
 
-Times include the Ray hops (driver → every worker, worker 0 → driver; bench/ray_hops.py
-splits them out). `--random-weights --preset P` writes P's config.json files to a temporary
-directory and loads them with `load_format="dummy"` (target/dummy.py: the same weights at
-every TP size); `--model/--draft-model` load checkpoints. Both need every node to see the
-directories: run it on one host."""
+Times include the control channel's hops (bench/control_plane.py times them alone).
+`--random-weights --preset P` writes P's config.json files to a temporary directory and loads
+them with `load_format="dummy"` (target/dummy.py: the same weights at every TP size);
+`--model/--draft-model` load checkpoints. Both need every node to see the directories: run it
+on one host."""
 
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from bench.timing import sample_times
 from configs.engine import EngineConfig
 from configs.presets import draft_preset, target_preset
-
-
-def _median_ms(fn, warmup: int, iters: int) -> float:
-    samples, _ = sample_times(fn, iters, warmup)  # ray.get has waited for the workers
-    return statistics.median(samples) * 1e3
 
 
 def _model_dirs(args, tmp: Path) -> tuple[str, str, str]:
@@ -61,12 +56,18 @@ def run(args) -> dict:
             kv_block_size=args.page_size, num_kv_blocks=big_b * pages,
             max_num_batched_tokens=max(big_b * args.prompt_len, 8192),
             enforce_eager=args.enforce_eager, load_format=load_format,
-            draft_placement=args.draft_placement)
+            draft_placement=args.draft_placement, control_channel=args.control_channel,
+            control_spin_us=args.control_spin_us)
+        t = time.perf_counter()
         cluster = RayEngineCluster(cfg, args.tp)
+        results["start_s"] = time.perf_counter() - t  # load, profile, allocate, warm up
         try:
             tcfg = cluster.plan.target_config
             results["device"] = args.device
             results["layers"] = tcfg.num_hidden_layers
+            results["channel"] = cluster.channel_kind
+            results["spin_us"] = cfg.control_spin_s * 1e6
+            results["warmup"] = cluster.engine.warmup
             for b in args.batch_sizes:
                 results["ours"].append(_bench_batch(cluster, b, args, max_new, tcfg))
                 print(json.dumps(results["ours"][-1]), flush=True)
@@ -76,37 +77,17 @@ def run(args) -> dict:
 
 
 def _bench_batch(cluster, b: int, args, max_new: int, tcfg) -> dict:
-    import ray
+    from bench.engine import Batch, time_steps
 
-    from bench.engine import Batch
-
-    runner, drafter = cluster.engine.runner, cluster.engine.drafter
-    batch = Batch(runner, b, args.prompt_len, max_new, args.page_size, tcfg.vocab_size)
+    batch = Batch(cluster.executor, b, args.prompt_len, max_new, args.page_size,
+                  tcfg.vocab_size)
     B = max(args.block_sizes)
-
-    def feed(out) -> None:
-        aux = out.aux if out.aux_ref is None else out.aux_ref
-        drafter.write_context(aux, out.aux_positions, batch.tables, out.num_committed)
-
-    r: dict = {"batch": b, "tp": args.tp}
-    ms = _median_ms(lambda: feed(batch.prefill()), 0, 1)
-    r["prefill_ms"], r["prefill_tok_per_s"] = ms, b * args.prompt_len / ms * 1e3
-    r["decode_ms"] = _median_ms(lambda: feed(batch.verify([[]] * b)), args.warmup, args.iters)
-    for block in args.block_sizes:
-        r[f"verify_B{block}_ms"] = _median_ms(
-            lambda block=block: feed(batch.verify(batch.random_drafts(block - 1))),
-            args.warmup, args.iters)
-
-    def propose():
-        return drafter.propose(batch.anchors, batch.num_cached, batch.tables)
-
-    r[f"draft_B{B}_ms"] = _median_ms(propose, args.warmup, args.iters)
-    r[f"round_B{B}_ms"] = _median_ms(lambda: feed(batch.verify(propose().tolist())),
-                                     args.warmup, args.iters)
+    # The executor's results have come back: the actors are done with each step.
+    r = time_steps(batch, args, None, [B])
+    r["tp"] = args.tp
     if args.tp > 1:
         bus_bytes = (256 << 20) if args.device.startswith("cuda") else (16 << 20)
-        ar = ray.get([w.time_all_reduce.remote([b, b * B], args.iters * 10, bus_bytes)
-                      for w in cluster.workers])[0]
+        ar = cluster.call_workers("time_all_reduce", [b, b * B], args.iters * 10, bus_bytes)
         elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
         per_step = {}
         for tokens, us in ar["all_reduce_us"].items():
@@ -117,15 +98,15 @@ def _bench_batch(cluster, b: int, args, max_new: int, tcfg) -> dict:
                                 "ms_per_step": 2 * tcfg.num_hidden_layers * us / 1e3}
         r["all_reduce"] = {"bus_GBps": ar["bus_GBps"], "bus_bytes": ar["bus_bytes"],
                            "by_tokens": per_step}
-    for i in range(b):
-        runner.release(i)
+    batch.release()
     return r
 
 
 def table(results: dict) -> str:
     B = max(results["args"]["block_sizes"])
     blocks = results["args"]["block_sizes"]
-    rows = [f"TP {results['tp']} through the cluster path (Ray workers + draft actor)", "",
+    rows = [f"TP {results['tp']} through the cluster path (Ray workers + draft actor, control "
+            f"channel {results['channel']})", "",
             "| batch | prefill tok/s | decode ms | " + " | ".join(
                 f"verify B={x} ms" for x in blocks) + f" | draft B={B} ms | round B={B} ms | "
             "all-reduce µs/call (decode / verify) | all-reduce ms/step (decode) | bus GB/s |",

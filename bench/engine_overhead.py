@@ -1,6 +1,7 @@
-"""Host time of the engine's own bookkeeping per round (scheduler, sequences, stop checks,
-outputs), with a runner and drafter that return at once: the t_overhead of the projected
-speedup. Device-independent: it measures Python, not kernels."""
+"""Host time of the engine's own bookkeeping per round (scheduler, sequences, step messages,
+stop checks, outputs), with a runner and drafter that return at once behind the in-process
+executor: the t_overhead of the projected speedup. Device-independent: it measures Python,
+not kernels."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from dataclasses import replace
 import torch
 
 from cluster.engine import EnginePlan, LLMEngine
+from cluster.executor import LocalExecutor
 from configs.engine import EngineConfig, SamplingParams
+from workers.messages import ContextWrite, ProposeRequest
 from workers.model_runner import SeqInput, StepOutput
 
 
@@ -40,10 +43,10 @@ class InstantDrafter:
     def __init__(self, block: int):
         self.block = block
 
-    def propose(self, anchors, context_lens, block_tables) -> torch.Tensor:
-        return torch.full((len(anchors), self.block - 1), 2, dtype=torch.long)
+    def propose(self, req: ProposeRequest) -> torch.Tensor:
+        return torch.full((len(req.anchors), self.block - 1), 2, dtype=torch.long)
 
-    def write_context(self, aux, positions, block_tables, counts) -> None:
+    def write_context(self, write: ContextWrite) -> None:
         pass
 
 
@@ -55,7 +58,7 @@ def engine_overhead_ms(plan: EnginePlan, batch: int, block: int, accept: int,
                    num_kv_blocks=batch * (-(-(64 + rounds * 4 * block) // page) + 1))
     cfg = EngineConfig(model="(none)", max_num_seqs=batch, kv_block_size=page,
                        max_num_batched_tokens=1 << 20)
-    engine = LLMEngine(cfg, InstantRunner(accept), InstantDrafter(block), plan)
+    engine = LLMEngine(cfg, LocalExecutor(InstantRunner(accept), InstantDrafter(block)), plan)
     params = SamplingParams(max_tokens=rounds * 4 * block, ignore_eos=True)
     for i in range(batch):
         engine.add_request(list(range(2, 66)), params, f"r{i}")

@@ -84,17 +84,18 @@ def main() -> None:
     draft = build_draft(draft_preset(args.preset), dtype, device, args.block_size)
     B, b = args.block_size, args.batch
     graphs = device.type == "cuda" and not args.enforce_eager
-    batch = Batch.in_process(target, tuple(draft.cfg.target_layer_ids), b, args.prompt_len,
-                             (2 * args.steps + 8) * 2 * B, 16, device, graphs)
-    out = batch.prefill()
-    drafter = DraftRunner(draft, b * batch.pages, 16, B, target.embed, target.compute_logits,
-                          device, graph_max_seqs=b if graphs else 0, graph_max_pages=batch.pages)
-    drafter.write_context(out.aux, out.aux_positions, batch.tables, out.num_committed)
+    max_new = (2 * args.steps + 8) * 2 * B
+    pages = -(-(args.prompt_len + max_new) // 16)
+    drafter = DraftRunner(draft, b * pages, 16, B, target.embed, target.compute_logits,
+                          device, graph_max_seqs=b if graphs else 0, graph_max_pages=pages)
+    batch = Batch.in_process(target, drafter, tuple(draft.cfg.target_layer_ids), b,
+                             args.prompt_len, max_new, 16, device, graphs)
+    batch.prefill()  # also the draft's context
     steps = {
         "prefill": batch.prefill,  # the same prompts again: num_cached back to prompt_len
         "decode": lambda: batch.verify([[]] * b),
         f"verify_B{B}": lambda: batch.verify(batch.random_drafts(B - 1)),
-        f"draft_B{B}": lambda: drafter.propose(batch.anchors, batch.num_cached, batch.tables),
+        f"draft_B{B}": batch.propose,
     }
     for name, fn in steps.items():
         print(json.dumps(profile_step(f"{name}_b{b}", fn, device, args.steps, args.out)),

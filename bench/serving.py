@@ -11,8 +11,11 @@ may carry several tokens (a speculative round commits up to B at once), and the 
 is split evenly over them, as the server's own ITL histogram does; tokens that arrive with the
 first chunk are covered by TTFT and give no ITL sample. The server's counters are scraped
 before and after each level once the engine is idle, so their deltas belong to that level.
-Writes serving.csv (a row per level), serving.json (everything, with the command line and
-every request) and serving.png (throughput and ITL p50 vs concurrency) into --out-dir."""
+The first request (sized like the rest, 16 output tokens) is sent again after the levels: its
+TTFT on a fresh server against the same request's once warm says what start-up left for the
+first user to pay. Writes serving.csv (a row per level), serving.json (everything, with the
+command line and every request) and serving.png (throughput and ITL p50 vs concurrency) into
+--out-dir."""
 
 from __future__ import annotations
 
@@ -58,6 +61,8 @@ class RequestResult:
     e2e_s: float | None = None  # to the end of the stream
     last_token_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # one sample per token after the first chunk
+    # between successive chunks that carried tokens: one engine step (a round) per sample
+    chunk_gaps_s: list[float] = field(default_factory=list)
     error: str | None = None
 
     def add_chunk(self, since_start: float, num_tokens: int) -> None:
@@ -67,6 +72,7 @@ class RequestResult:
         if self.ttft_s is None:
             self.ttft_s = since_start
         else:
+            self.chunk_gaps_s.append(since_start - self.last_token_s)
             gap = (since_start - self.last_token_s) / num_tokens
             self.itl_s.extend([gap] * num_tokens)
         self.last_token_s = since_start
@@ -105,6 +111,7 @@ class LevelSummary:
     itl_ms_p50: float | None
     itl_ms_p90: float | None
     itl_ms_p99: float | None
+    chunk_gap_ms_p50: float | None  # per engine step that streamed tokens (a round)
     e2e_ms_p50: float | None
     e2e_ms_p90: float | None
     spec: SpecStats
@@ -256,6 +263,7 @@ def summarize(c: int, results: list[RequestResult], duration: float,
 
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [x for r in ok for x in r.itl_s]
+    gaps = [x for r in ok for x in r.chunk_gaps_s]
     e2e = [r.e2e_s for r in ok]
     prompt_toks, out_toks = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
     return LevelSummary(
@@ -263,7 +271,7 @@ def summarize(c: int, results: list[RequestResult], duration: float,
         out_toks / duration, (prompt_toks + out_toks) / duration,
         prompt_toks / len(ok) if ok else 0.0, out_toks,
         pct(ttft, 50), pct(ttft, 90), pct(ttft, 99), pct(itl, 50), pct(itl, 90), pct(itl, 99),
-        pct(e2e, 50), pct(e2e, 90), spec)
+        pct(gaps, 50), pct(e2e, 50), pct(e2e, 90), spec)
 
 
 async def bench(args: argparse.Namespace) -> dict:
@@ -294,8 +302,16 @@ async def bench(args: argparse.Namespace) -> dict:
             print(f"concurrency {c}: {s.requests - s.errors}/{s.requests} ok in {duration:.1f} s",
                   file=sys.stderr)
             levels.append({"summary": asdict(s), "requests": [
-                asdict(r) | {"itl_s": [round(x, 6) for x in r.itl_s]} for r in results]})
-    return {"model": model, "levels": levels}
+                asdict(r) | {"itl_s": [round(x, 6) for x in r.itl_s],
+                             "chunk_gaps_s": [round(x, 6) for x in r.chunk_gaps_s]}
+                for r in results]})
+        # The first request (above) against the same request on a server now warm.
+        again = await send(client, model, prompts[0] if args.dataset else probe, args.chat,
+                           args.temperature)
+    first = {"first_ttft_ms": 1e3 * warm.ttft_s, "same_request_warm_ttft_ms":
+             1e3 * again.ttft_s if again.ttft_s is not None else None,
+             "prompt_tokens": warm.prompt_tokens}
+    return {"model": model, "levels": levels, "first_request": first}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -306,12 +322,15 @@ def main(argv: list[str] | None = None) -> dict:
     summaries = [level["summary"] for level in result["levels"]]
     report = {"command": command, "started": started, "model": result["model"],
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "levels": result["levels"]}
+              "first_request": result["first_request"], "levels": result["levels"]}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "serving.json").write_text(json.dumps(report))  # every ITL: kept flat
     write_csv(args.out_dir / "serving.csv", summaries)
     plot(args.out_dir / "serving.png", summaries, f"{result['model']} — {args.base_url}")
     print(table(summaries))
+    f = result["first_request"]
+    print(f"first request after start-up: TTFT {f['first_ttft_ms']:.1f} ms; the same request "
+          f"once warm: {f['same_request_warm_ttft_ms']:.1f} ms")
     for level in result["levels"]:
         for err in sorted({r["error"] for r in level["requests"] if r["error"]})[:3]:
             print(f"concurrency {level['summary']['concurrency']} error: {err}", file=sys.stderr)

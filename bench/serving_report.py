@@ -10,6 +10,7 @@ COLUMNS = [  # (header, LevelSummary field or "spec.<field>", format)
     ("out tok/s", "output_throughput", "{:.1f}"), ("total tok/s", "total_throughput", "{:.1f}"),
     ("TTFT p50/p90/p99 ms", ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99"), "{:.1f}"),
     ("ITL p50/p90/p99 ms", ("itl_ms_p50", "itl_ms_p90", "itl_ms_p99"), "{:.1f}"),
+    ("step gap p50 ms", "chunk_gap_ms_p50", "{:.2f}"),
     ("e2e p50/p90 ms", ("e2e_ms_p50", "e2e_ms_p90"), "{:.0f}"),
     ("accept len", "spec.acceptance_length", "{:.2f}"),
     ("draft/verify ms", ("spec.draft_ms_per_round", "spec.verify_ms_per_round"), "{:.1f}"),

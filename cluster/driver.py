@@ -1,7 +1,8 @@
 """The driver actor: owns one engine's actors (RayEngineCluster) and runs its loop
-(LocalEngineClient: one thread stepping the engine, asyncio streams per request). A Serve
-replica talks to it through `RayEngineClient` (deploy/ray_client.py): `generate` is a Ray
-streaming generator yielding one RequestOutput per step that produced tokens for the request.
+(LocalEngineClient: one thread stepping the engine). A Serve replica talks to it through
+`RayEngineClient` (deploy/ray_client.py): `add` and `abort` per request, and one long-lived
+`stream` (a Ray streaming generator) that carries every request's new tokens of a step in one
+batch — one Ray object per step, however many requests run.
 
 A step that fails (a rank died, or hung past the step timeout) fails the requests in flight
 with EngineStepError; the driver then kills every actor of the engine and starts them again in
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+import threading
 from collections.abc import AsyncIterator
 
 from cluster.engine import LLMEngine, RequestOutput
@@ -20,9 +23,14 @@ from cluster.ray_executor import DEFAULT_STEP_TIMEOUT_S, RayEngineCluster
 from configs.engine import EngineConfig, SamplingParams
 
 log = logging.getLogger(__name__)
-# A probe waits behind a step already queued on the actor: generous, to never restart a busy
-# but healthy engine.
+# A probe waits behind a step already queued: generous, to never restart a busy but healthy
+# engine.
 PROBE_TIMEOUT_S = 60.0
+# The engine thread and the actor's event loop share the GIL: a short switch interval bounds
+# how long the engine thread waits for it after a channel wake-up (CPython's default is 5 ms).
+GIL_SWITCH_INTERVAL_S = 0.0005
+# One stream item: a request's output, or the exception that ends it.
+StreamItem = tuple[str, RequestOutput | Exception]
 
 
 class EngineDriver:
@@ -35,18 +43,26 @@ class EngineDriver:
         self.cluster: RayEngineCluster | None = None
         self.client: LocalEngineClient | None = None
         self._probing = False
+        self._batch: list[StreamItem] = []  # undelivered, appended by the engine thread
+        self._batch_lock = threading.Lock()
+        self._ready: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> dict:
-        """Starts the engine's actors and loop (off the event loop: loading blocks for long);
-        returns what the client needs to know about the engine."""
+        """Starts the engine's actors, warms them up and starts the loop (off the event loop:
+        loading blocks for long); returns what the client needs to know about the engine."""
         cfg, tp, model_name, max_waiting, pg, use_gpu, step_timeout_s = self._start_args
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self._loop, self._ready = asyncio.get_running_loop(), asyncio.Event()
         self.cluster = await asyncio.to_thread(
             RayEngineCluster, cfg, tp, pg=pg, use_gpu=use_gpu, step_timeout_s=step_timeout_s)
         self.client = LocalEngineClient(self.cluster.engine, model_name, max_waiting,
-                                        recover=self._recover)
+                                        recover=self._recover, after_step=self._wake_stream)
         c = self.client
+        log.info("engine ready: control channel %s, warm-up %s", self.cluster.channel_kind,
+                 self.cluster.engine.warmup)
         return {"model_name": c.model_name, "max_model_len": c.max_model_len,
-                "vocab_size": c.vocab_size}
+                "vocab_size": c.vocab_size, "channel": self.cluster.channel_kind}
 
     def _recover(self, error: Exception) -> LLMEngine:
         log.warning("engine step failed (%s: %s); restarting its actors",
@@ -55,13 +71,39 @@ class EngineDriver:
         log.warning("engine actors restarted (%d restarts so far)", self.cluster.restarts)
         return engine
 
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        async for out in self.client.generate(request_id, prompt_ids, params):
-            yield out
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queues a request; its outputs come through `stream`. Raises EngineOverloaded or
+        EngineDeadError at once; a bad request's ValueError comes through `stream`."""
+        def deliver(item: RequestOutput | Exception) -> bool:
+            with self._batch_lock:
+                self._batch.append((request_id, item))
+            return True
+
+        self.client.submit(request_id, prompt_ids, params, deliver)
 
     async def abort(self, request_id: str) -> None:
         await self.client.abort(request_id)
+
+    def _wake_stream(self) -> None:  # the engine thread, after each step's outputs
+        try:
+            self._loop.call_soon_threadsafe(self._ready.set)
+        except RuntimeError:
+            pass  # the actor is shutting down
+
+    async def stream(self) -> AsyncIterator[list[StreamItem]]:
+        """Every request's outputs, a batch per step (more when the reader lags: batches
+        coalesce while a yield waits)."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            with self._batch_lock:
+                batch, self._batch = self._batch, []
+            if batch:
+                yield batch
+
+    # ---- state and health ---------------------------------------------------------------------
 
     def snapshot(self) -> EngineSnapshot:
         return self.client.snapshot()
@@ -73,7 +115,9 @@ class EngineDriver:
         if self.client.idle and not self._probing:
             self._probing = True
             try:
-                await asyncio.to_thread(self.cluster.ping, PROBE_TIMEOUT_S)
+                await self.client.call(lambda: self.cluster.ping(PROBE_TIMEOUT_S))
+            except EngineDeadError:
+                raise
             except Exception as e:
                 reason = f"health probe failed: {type(e).__name__}: {e}"
                 log.warning(reason)
@@ -87,6 +131,10 @@ class EngineDriver:
 
     def restarts(self) -> int:
         return self.cluster.restarts
+
+    def warmup(self) -> dict[str, float]:
+        """What the current engine's start-up warm-up ran (LLMEngine.warm_up)."""
+        return self.cluster.engine.warmup
 
     def actors(self) -> dict[str, list]:
         return self.cluster.actors()

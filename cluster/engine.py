@@ -1,7 +1,8 @@
-"""The in-process engine: prefill → (propose → verify → accept → commit)* → stop.
+"""The engine: prefill → (propose → verify → accept → commit)* → stop.
 
 Used directly by `dflash-serve generate` and, in the cluster, by the driver actor. The engine
-never touches model tensors beyond handing the runner's outputs to the drafter.
+never touches model tensors: it schedules, sends each step to an executor and applies what
+comes back.
 """
 
 from __future__ import annotations
@@ -9,21 +10,20 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.block_manager import BlockManager
-from cluster.scheduler import Scheduler
+from cluster.executor import Executor
+from cluster.scheduler import ScheduledStep, Scheduler
 from cluster.sequence import Sequence
+from cluster.startup import EnginePlan, start_in_process
 from cluster.stats import TimeAccumulator
 from configs.engine import EngineConfig, SamplingParams
-from configs.model import TargetConfig
-from draft.actor import DraftWorker
-from draft.config import DraftConfig
-from draft.proposer import DraftRunner
-from workers.memory import MemoryProfile, plan_num_blocks
-from workers.model_runner import ModelRunner, SeqInput, StepOutput
-from workers.worker import TargetWorker
+from workers.cuda_graphs import graph_batch_buckets
+from workers.messages import NewSeq, StepKind, StepMsg
+
+__all__ = ["AcceptanceStats", "EnginePlan", "LLMEngine", "RequestOutput", "read_eos_ids"]
 
 
 @dataclass
@@ -71,89 +71,40 @@ def read_eos_ids(model_dir: str, from_config: tuple[int, ...]) -> set[int]:
     return ids
 
 
-@dataclass(frozen=True)
-class EnginePlan:
-    """What both the in-process and the Ray engine derive from an EngineConfig."""
-
-    target_config: TargetConfig
-    draft_config: DraftConfig | None  # with the block-size override applied
-    block_size: int  # B tokens verified per round; 1 without a draft
-    max_model_len: int
-    # KV pages per rank. None: measured at start-up (GPU), see workers/memory.py.
-    num_kv_blocks: int | None
-    min_kv_blocks: int  # pages one full-length sequence (+ a verify block) reaches
-
-    @property
-    def aux_layer_ids(self) -> tuple[int, ...]:
-        return tuple(self.draft_config.target_layer_ids) if self.draft_config else ()
-
-    @classmethod
-    def from_config(cls, cfg: EngineConfig) -> EnginePlan:
-        tcfg = TargetConfig.from_pretrained(cfg.model)
-        dcfg = None
-        if cfg.draft_model:
-            dcfg = DraftConfig.from_pretrained(cfg.draft_model)
-            dcfg.validate_against(tcfg)
-            if cfg.block_size is not None:
-                dcfg = dcfg.with_block_size(cfg.block_size)
-        block = dcfg.block_size if dcfg else 1
-        max_len = cfg.max_model_len or tcfg.max_position_embeddings
-        pages_per_seq = -(-(max_len + block) // cfg.kv_block_size)
-        num_blocks = cfg.num_kv_blocks
-        if num_blocks is None and not cfg.device.startswith("cuda"):
-            num_blocks = cfg.max_num_seqs * pages_per_seq  # CPU: nothing to measure
-        return cls(tcfg, dcfg, block, max_len, num_blocks, pages_per_seq)
-
-    def with_measured_blocks(self, profiles: list[MemoryProfile | None],
-                             max_num_seqs: int) -> EnginePlan:
-        if self.num_kv_blocks is not None:
-            return self
-        measured = [p for p in profiles if p is not None]
-        num_blocks = plan_num_blocks(measured, max_num_seqs, self.min_kv_blocks)
-        return replace(self, num_kv_blocks=num_blocks)
-
-
 class LLMEngine:
-    """`runner` (prefill / verify / release) and `drafter` (propose / write_context) run in
-    this process by default; the Ray driver passes actor-backed ones with the same methods."""
+    """The scheduler, the sequences and the stop conditions; each step goes to an `executor`
+    (cluster/executor.py) as one StepMsg and comes back as one StepResult. Without one, the
+    engine starts its target and draft in this process (cluster/startup.py); the Ray driver
+    passes a ChannelExecutor over the actors. `warm_up` runs the shapes a first request meets."""
 
-    def __init__(self, cfg: EngineConfig, runner=None, drafter=None,
+    def __init__(self, cfg: EngineConfig, executor: Executor | None = None,
                  plan: EnginePlan | None = None):
         self.cfg = cfg
         self.plan = plan or EnginePlan.from_config(cfg)
+        if executor is None:
+            executor, self.plan = start_in_process(cfg, self.plan)
+        self.executor = executor
         self.target_config = self.plan.target_config
         self.draft_config = self.plan.draft_config
+        self.has_draft = self.draft_config is not None
         self.block_size = self.plan.block_size
         self.max_model_len = self.plan.max_model_len
-        if runner is None:
-            runner, drafter = self._local_parts(cfg)
-        self.runner, self.drafter = runner, drafter
         self.blocks = BlockManager(self.plan.num_kv_blocks, cfg.kv_block_size, cfg.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, self.max_model_len,
                                    lookahead=self.block_size,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.eos_ids = read_eos_ids(cfg.model, self.target_config.eos_token_ids)
         self.stats = AcceptanceStats()
-        self.draft_time = TimeAccumulator()  # per propose call
-        self.verify_time = TimeAccumulator()  # per verify call (forward + accept + commit)
+        self.draft_time = TimeAccumulator()  # per proposal, where the draft runs
+        self.verify_time = TimeAccumulator()  # per round: target forward + accept + commit
         self._seq_ids = itertools.count()
+        self.num_steps = 0  # step messages sent (their ids)
         self._by_request: dict[str, Sequence] = {}
-
-    def _local_parts(self, cfg: EngineConfig) -> tuple[ModelRunner, DraftRunner | None]:
-        worker = TargetWorker(cfg, self.plan.aux_layer_ids, rank=0, tp=1)
-        worker.init_model()
-        self.target = worker.model
-        draft = None
-        if self.plan.draft_config is not None:
-            draft = DraftWorker(cfg, self.plan.block_size, self.target.embed,
-                                self.target.compute_logits, worker.device)
-        profiles = [worker.profile(self.plan.block_size), draft.profile() if draft else None]
-        self.plan = self.plan.with_measured_blocks(profiles, cfg.max_num_seqs)
-        worker.allocate(self.plan.num_kv_blocks)
-        if draft is None:
-            return worker.runner, None
-        draft.allocate(self.plan.num_kv_blocks)
-        return worker.runner, draft.runner
+        self._sent: set[int] = set()  # seq ids the executor's side knows
+        self._released: list[int] = []  # seq ids to drop there with the next step
+        self._in_flight: ScheduledStep | None = None
+        self._deferred_aborts: list[str] = []
+        self.warmup: dict[str, float] = {}  # what warm_up ran: requests, steps, seconds
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -178,64 +129,90 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str) -> None:
+        """Drops the request; while a step is in flight, once it completes."""
+        if self._in_flight is not None:
+            self._deferred_aborts.append(request_id)
+            return
         seq = self._by_request.pop(request_id, None)
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
-            self.runner.release(seq.seq_id)
+            self._release(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests remain, or finished ones the executor's side has not dropped yet (the next
+        step drops them)."""
+        return self.scheduler.has_work() or bool(self._released)
+
+    def flush_releases(self) -> None:
+        """Drops finished sequences on the executor's side now, not with the next step."""
+        if self._released and self._in_flight is None:
+            self.executor.submit(StepMsg(self._next_step_id(), StepKind.RELEASE,
+                                         released=self._released))
+            self._released = []
+            self.executor.result()
 
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        return self.finish_step() if self.begin_step() else []
+
+    def begin_step(self) -> bool:
+        """Schedules a step and hands it to the executor (in the cluster, the actors start on
+        it while this thread goes on); False when there is nothing to run."""
         plan = self.scheduler.schedule()
+        if not plan.prefill and not plan.decode:
+            self.flush_releases()
+            return False
+        seqs = plan.prefill or plan.decode
+        new = [NewSeq(s.seq_id, s.prompt_ids, s.block_table, s.state_slot, s.params)
+               for s in seqs if s.seq_id not in self._sent]
+        self._sent.update(s.seq_id for s in seqs)
+        common = {"step_id": self._next_step_id(), "seq_ids": [s.seq_id for s in seqs],
+                  "starts": [s.num_cached for s in seqs], "new_seqs": new,
+                  "released": self._released}
+        self._released = []
         if plan.prefill:
-            self._prefill(plan.prefill, plan.chunk_lens)
-        elif plan.decode:
-            self._round(plan.decode)
-        return self._collect(plan.prefill + plan.decode)
-
-    def _prefill(self, seqs: list[Sequence], chunk_lens: list[int]) -> None:
-        # Each feeds the next chunk of its prompt; only a prompt's last chunk samples a token.
-        out = self.runner.prefill([
-            SeqInput(s.seq_id, s.prompt_ids[s.num_cached : s.num_cached + n], s.num_cached,
-                     s.block_table, s.state_slot, s.params,
-                     sample=s.num_cached + n == len(s.prompt_ids))
-            for s, n in zip(seqs, chunk_lens, strict=True)
-        ])
-        self._feed_draft(seqs, out)
-        for s, n, toks in zip(seqs, chunk_lens, out.new_tokens, strict=True):
-            s.num_cached += n
-            if s.prefilled:
-                self._append(s, toks)
-
-    def _round(self, seqs: list[Sequence]) -> None:
-        t0 = time.perf_counter()
-        if self.drafter is not None:
-            drafts = self.drafter.propose([s.anchor for s in seqs], [s.num_cached for s in seqs],
-                                          [s.block_table for s in seqs]).tolist()
-            self.draft_time.observe(time.perf_counter() - t0)
+            msg = StepMsg(kind=StepKind.PREFILL, chunk_lens=list(plan.chunk_lens),
+                          samples=[s.num_cached + n == len(s.prompt_ids)
+                                   for s, n in zip(seqs, plan.chunk_lens, strict=True)],
+                          **common)
         else:
-            drafts = [[] for _ in seqs]
-        t1 = time.perf_counter()
-        out = self.runner.verify([
-            SeqInput(s.seq_id, [s.anchor, *d], s.num_cached, s.block_table, s.state_slot,
-                     s.params)
-            for s, d in zip(seqs, drafts, strict=True)
-        ])
-        self.verify_time.observe(time.perf_counter() - t1)
-        self._feed_draft(seqs, out)
-        for s, toks, n in zip(seqs, out.new_tokens, out.num_accepted, strict=True):
-            s.num_cached += n + 1
-            self.stats.record(n, self.block_size - 1)
-            s.acceptance_lengths.append(self._append(s, toks))
+            msg = StepMsg(kind=StepKind.ROUND, anchors=[s.anchor for s in seqs], **common)
+        self.executor.submit(msg)
+        self._in_flight = plan
+        return True
 
-    def _feed_draft(self, seqs: list[Sequence], out: StepOutput) -> None:
-        if self.drafter is not None:
-            aux = out.aux if out.aux_ref is None else out.aux_ref
-            self.drafter.write_context(aux, out.aux_positions,
-                                       [s.block_table for s in seqs], out.num_committed)
+    def finish_step(self) -> list[RequestOutput]:
+        """Waits for the step begun last and applies its result."""
+        plan, self._in_flight = self._in_flight, None
+        try:
+            result = self.executor.result()
+        except BaseException:
+            self._apply_deferred_aborts()
+            raise
+        if plan.prefill:
+            for s, n, toks in zip(plan.prefill, plan.chunk_lens, result.new_tokens,
+                                  strict=True):
+                s.num_cached += n
+                if s.prefilled:
+                    self._append(s, toks)
+        else:
+            if result.propose_s is not None:
+                self.draft_time.observe(result.propose_s)
+            self.verify_time.observe(result.verify_s)
+            for s, toks, n in zip(plan.decode, result.new_tokens, result.num_accepted,
+                                  strict=True):
+                s.num_cached += n + 1
+                self.stats.record(n, self.block_size - 1)
+                s.acceptance_lengths.append(self._append(s, toks))
+        outputs = self._collect(plan.prefill + plan.decode)
+        self._apply_deferred_aborts()
+        return outputs
+
+    def _apply_deferred_aborts(self) -> None:
+        aborts, self._deferred_aborts = self._deferred_aborts, []
+        for request_id in aborts:
+            self.abort(request_id)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> int:
         """Appends tokens up to the first stop condition; returns how many were kept."""
@@ -250,6 +227,11 @@ class LLMEngine:
                 return i + 1
         return len(tokens)
 
+    def _release(self, seq: Sequence) -> None:
+        if seq.seq_id in self._sent:
+            self._sent.discard(seq.seq_id)
+            self._released.append(seq.seq_id)
+
     def _collect(self, seqs: list[Sequence]) -> list[RequestOutput]:
         outs = []
         for s in seqs:
@@ -260,7 +242,7 @@ class LLMEngine:
             outs.append(RequestOutput(s.request_id, s.prompt_ids, new, list(s.output_ids),
                                       s.finished, s.finish_reason, list(s.acceptance_lengths)))
             if s.finished:
-                self.runner.release(s.seq_id)
+                self._release(s)
                 self._by_request.pop(s.request_id, None)
         return outs
 
@@ -274,3 +256,45 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+    # ---- start-up -----------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Runs what a first request meets, so it does not pay for compilation and capture:
+        a prompt fed in two chunks (on a GPU the first one of a full prefill budget) with its
+        draft context writes, rounds with proposals; with CUDA graphs also a round at every
+        batch bucket the graphs capture. Leaves the statistics as they were."""
+        stats = (self.stats, self.draft_time, self.verify_time)
+        t, first_step, requests = time.perf_counter(), self.num_steps, 0
+        on_gpu = self.cfg.device.startswith("cuda")
+        page, budget = self.cfg.kv_block_size, self.scheduler.max_num_batched_tokens
+        params = SamplingParams(max_tokens=2 * self.block_size + 1, ignore_eos=True)
+        room = self.max_model_len - params.max_tokens - self.block_size
+        prompt_len = min(budget + page if on_gpu else 2 * page + 3, room)
+        if prompt_len < 2:
+            return
+        chunk = budget if prompt_len > budget else -(-prompt_len // 2)
+        self.scheduler.max_num_batched_tokens = chunk  # two prefill steps
+        try:
+            requests += self._warm([list(range(1, prompt_len + 1))], params)
+        finally:
+            self.scheduler.max_num_batched_tokens = budget
+        if on_gpu and not self.cfg.enforce_eager:
+            for n in graph_batch_buckets(self.cfg.max_num_seqs):
+                requests += self._warm([[1 + i] * page for i in range(n)], params)
+        self.stats, self.draft_time, self.verify_time = stats
+        self.warmup = {"requests": requests, "steps": self.num_steps - first_step,
+                       "seconds": time.perf_counter() - t}
+
+    def _warm(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        reach = self.scheduler.reach(Sequence(-1, "", prompts[0], params))
+        if self.blocks.pages_needed(reach) > self.blocks.num_blocks:
+            return 0  # a pool too small for the warm-up: the first request compiles instead
+        self.stats, self.draft_time = AcceptanceStats(), TimeAccumulator()
+        self.verify_time = TimeAccumulator()
+        self.generate(prompts, params)
+        return len(prompts)
+
+    def _next_step_id(self) -> int:
+        self.num_steps += 1
+        return self.num_steps - 1

@@ -1,6 +1,10 @@
-"""`LocalEngineClient`: an `LLMEngine` driven by one background thread, with asyncio streams
-per request. It serves the HTTP layer directly in process, and runs inside the Ray driver
-actor (cluster/driver.py) for the cluster."""
+"""`LocalEngineClient`: an `LLMEngine` driven by one background thread. It serves the HTTP layer
+directly in process (asyncio streams per request, `generate`), and runs inside the Ray driver
+actor (cluster/driver.py), which takes each step's outputs for all requests at once
+(`submit` with a delivery callback, and the `after_step` hook).
+
+Each step is begun (the actors start on it), then the previous step's outputs are delivered
+to their requests, then the step is finished: the delivery costs the round nothing."""
 
 from __future__ import annotations
 
@@ -24,25 +28,19 @@ from configs.engine import SamplingParams
 
 log = logging.getLogger(__name__)
 
-
-# ---- the in-process client -------------------------------------------------------------------
+# Delivers one output (or the exception that ends the request); False: nobody listens any more.
+Deliver = Callable[[RequestOutput | Exception], bool]
 
 
 @dataclass
-class _Stream:
-    """The asyncio side of one request, fed from the engine thread."""
+class _Request:
+    """The engine thread's record of one request in flight."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # RequestOutput | Exception
+    request_id: str
+    deliver: Deliver
     timing: RequestTiming | None
+    waiting: bool = True  # counted in _num_waiting until its first output (or its end)
     last: RequestOutput | None = None
-
-    def put(self, item: RequestOutput | Exception) -> bool:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-            return True
-        except RuntimeError:  # its event loop is closed: nobody listens any more
-            return False
 
 
 @dataclass
@@ -50,13 +48,22 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    stream: _Stream
+    request: _Request
 
 
 @dataclass
 class _Abort:
     request_id: str
-    done: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+    done: Callable[[], None] | None = None
+
+
+@dataclass
+class _Call:
+    """fn() on the engine thread between steps (e.g. a probe that writes the control
+    channel, which only this thread may)."""
+
+    fn: Callable[[], object]
+    done: Callable[[object], None]
 
 
 class _Stop:
@@ -68,19 +75,12 @@ class _Restart:
     reason: str
 
 
-def _resolve(done: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None) -> None:
-    if done is None:
-        return
-    loop, fut = done
-
-    def set_done() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
+def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
     try:
-        loop.call_soon_threadsafe(set_done)
-    except RuntimeError:
-        pass
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:  # its event loop is closed: nobody listens any more
+        return False
 
 
 def _copy_stats(s: AcceptanceStats) -> AcceptanceStats:
@@ -88,15 +88,17 @@ def _copy_stats(s: AcceptanceStats) -> AcceptanceStats:
 
 
 class LocalEngineClient:
-    """One thread owns the engine (LLMEngine is not thread-safe): requests and aborts reach it
-    through a queue; it steps while any request is in flight and sleeps on the queue otherwise.
-    `max_waiting` bounds the requests submitted but not yet producing tokens (None: no bound).
-    `recover`, when given, is called (on the engine thread) after a failed step has failed the
-    requests in flight, and returns the engine to continue with; if it raises, the client is
-    dead. New requests queue meanwhile; `check_health` reports the restart."""
+    """One thread owns the engine (LLMEngine is not thread-safe): requests, aborts and calls
+    reach it through a queue; it steps while any request is in flight and sleeps on the queue
+    otherwise. `max_waiting` bounds the requests submitted but not yet producing tokens (None:
+    no bound). `recover`, when given, is called (on the engine thread) after a failed step has
+    failed the requests in flight, and returns the engine to continue with; if it raises, the
+    client is dead. New requests queue meanwhile; `check_health` reports the restart.
+    `after_step` runs on the engine thread after each step's outputs are delivered."""
 
     def __init__(self, engine: LLMEngine, model_name: str, max_waiting: int | None = None,
-                 recover: Callable[[Exception], LLMEngine] | None = None):
+                 recover: Callable[[Exception], LLMEngine] | None = None,
+                 after_step: Callable[[], None] | None = None):
         if max_waiting is not None and max_waiting <= 0:
             raise ValueError(f"max_waiting must be positive or None, got {max_waiting}")
         self.engine = engine
@@ -105,22 +107,24 @@ class LocalEngineClient:
         self.vocab_size = engine.target_config.vocab_size
         self.max_waiting = max_waiting
         self.recover = recover
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop | _Restart] = queue.SimpleQueue()
+        self.after_step = after_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _closed and _num_waiting
         self._closed = False
         self._num_waiting = 0
         self._fatal: str | None = None  # why the loop died
         self._unhealthy: str | None = None
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._requests: dict[str, _Request] = {}  # engine thread only
         self._publish()
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
         self._thread.start()
 
-    # ---- asyncio side -----------------------------------------------------------------------
+    # ---- any thread ---------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), timing)
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               deliver: Deliver, timing: RequestTiming | None = None) -> None:
+        """Queues a request; its outputs (then, on failure, an exception) go to `deliver` on
+        the engine thread. Raises EngineDeadError or EngineOverloaded at once."""
         with self._lock:
             if self._closed:
                 raise EngineDeadError(self._fatal or "the engine is shut down")
@@ -128,38 +132,67 @@ class LocalEngineClient:
                 raise EngineOverloaded(
                     f"{self._num_waiting} requests are already waiting; retry later")
             self._num_waiting += 1
-            self._inbox.put(_Add(request_id, list(prompt_ids), params, stream))
-        waiting, done = True, False
+            self._inbox.put(_Add(request_id, list(prompt_ids), params,
+                                 _Request(request_id, deliver, timing)))
+
+    def cancel(self, request_id: str, done: Callable[[], None] | None = None) -> None:
+        """Drops the request (its last output says finish_reason "abort"); `done` runs on the
+        engine thread once its pages and slot are free."""
+        with self._lock:
+            if self._closed:
+                if done is not None:
+                    done()
+                return
+            self._inbox.put(_Abort(request_id, done))
+
+    # ---- asyncio side -----------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
+        loop, items = asyncio.get_running_loop(), asyncio.Queue()
+        self.submit(request_id, prompt_ids, params,
+                    lambda item: _threadsafe(loop, items.put_nowait, item), timing)
+        done = False
         try:
             while not done:
-                item = await stream.queue.get()
-                if waiting:
-                    waiting = False
-                    self._leave_waiting()
+                item = await items.get()
                 if isinstance(item, Exception):
                     done = True
                     raise item
                 done = item.finished
                 yield item
         finally:
-            if waiting:
-                self._leave_waiting()
             if not done:  # the consumer left early (disconnect, stop string, cancellation)
-                self._inbox.put(_Abort(request_id))
-
-    def _leave_waiting(self) -> None:
-        with self._lock:
-            self._num_waiting -= 1
+                self.cancel(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Returns once the engine has dropped the request and freed its pages and slot."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        self.cancel(request_id, lambda: _threadsafe(
+            loop, lambda: fut.done() or fut.set_result(None)))
+        await fut
+
+    async def call(self, fn: Callable[[], object]) -> object:
+        """fn() on the engine thread, between two steps; its result or exception."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(result: object) -> None:
+            def settle() -> None:
+                if fut.done():
+                    return
+                if isinstance(result, BaseException):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)
+            _threadsafe(loop, settle)
+
         with self._lock:
             if self._closed:
-                return
-            self._inbox.put(_Abort(request_id, (loop, fut)))
-        await fut
+                raise EngineDeadError(self._fatal or "the engine is shut down")
+            self._inbox.put(_Call(fn, done))
+        return await fut
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot  # replaced whole by the engine thread, never mutated
@@ -169,7 +202,7 @@ class LocalEngineClient:
 
     @property
     def idle(self) -> bool:
-        return not self._streams and self._snapshot.waiting == 0
+        return not self._requests and self._snapshot.waiting == 0
 
     def request_restart(self, reason: str) -> None:
         """Fails the requests in flight and restarts the engine through `recover` (e.g. a
@@ -216,10 +249,14 @@ class LocalEngineClient:
                 self._closed = True
             self._fail_all(lambda: EngineDeadError(f"the engine loop died: {self._fatal}"))
 
+    def _busy(self) -> bool:
+        return bool(self._requests) or self.engine.has_unfinished()
+
     def _loop(self) -> None:
+        pending: list[tuple[_Request, RequestOutput]] = []  # the last step's, undelivered
         while True:
             # Block on the queue when idle (no busy spin); drain it between steps otherwise.
-            cmds = [] if self._streams else [self._inbox.get()]
+            cmds = [] if self._busy() or pending else [self._inbox.get()]
             while True:
                 try:
                     cmds.append(self._inbox.get_nowait())
@@ -227,36 +264,68 @@ class LocalEngineClient:
                     break
             for cmd in cmds:
                 if isinstance(cmd, _Stop):
+                    self._deliver(pending)
                     self._fail_all(lambda: EngineDeadError("the engine is shut down"))
                     return
                 if isinstance(cmd, _Add):
                     self._add(cmd)
-                elif isinstance(cmd, _Restart):
-                    self._fail_and_recover(RuntimeError(cmd.reason), cmd.reason)
-                else:
+                elif isinstance(cmd, _Abort):
                     self._abort(cmd)
-            if self._streams:
-                self._step()
+                elif isinstance(cmd, _Call):
+                    self._call(cmd)
+                else:
+                    self._deliver(pending)
+                    pending = []
+                    self._fail_and_recover(RuntimeError(cmd.reason), cmd.reason)
+            began = False
+            if self._busy():
+                try:
+                    began = self.engine.begin_step()
+                except Exception as e:
+                    self._deliver(pending)
+                    pending = []
+                    self._step_failed(e)
+                    continue
+            self._deliver(pending)  # while the actors work on the step just begun
+            pending = []
+            if began:
+                try:
+                    pending = self._finish()
+                except Exception as e:
+                    self._step_failed(e)
             self._publish()
 
     def _add(self, cmd: _Add) -> None:
-        if cmd.request_id in self._streams:
-            cmd.stream.put(ValueError(f"request id {cmd.request_id!r} is already in use"))
+        req = cmd.request
+        if cmd.request_id in self._requests:
+            self._end(req, ValueError(f"request id {cmd.request_id!r} is already in use"))
             return
         try:
             self.engine.add_request(cmd.prompt_ids, cmd.params, cmd.request_id)
         except ValueError as e:
-            cmd.stream.put(e)
+            self._end(req, e)
             return
-        self._streams[cmd.request_id] = cmd.stream
+        self._requests[cmd.request_id] = req
 
     def _abort(self, cmd: _Abort) -> None:
-        stream = self._streams.pop(cmd.request_id, None)
-        if stream is not None:
+        req = self._requests.pop(cmd.request_id, None)
+        if req is not None:
             self._engine_abort(cmd.request_id)
-            last = stream.last or RequestOutput(cmd.request_id, [], [], [], False, None, [])
-            stream.put(replace(last, new_token_ids=[], finished=True, finish_reason="abort"))
-        _resolve(cmd.done)
+            last = req.last or RequestOutput(cmd.request_id, [], [], [], False, None, [])
+            self._end(req, replace(last, new_token_ids=[], finished=True, finish_reason="abort"))
+        if cmd.done is not None:
+            try:
+                self.engine.flush_releases()  # its worker-side state too, before done
+            except Exception as e:
+                self._step_failed(e)
+            cmd.done()
+
+    def _call(self, cmd: _Call) -> None:
+        try:
+            result = cmd.fn()
+        except Exception as e:
+            result = e
+        cmd.done(result)
 
     def _engine_abort(self, request_id: str) -> None:
         try:
@@ -265,37 +334,57 @@ class LocalEngineClient:
             log.exception("aborting %s failed", request_id)
             self._unhealthy = f"aborting {request_id} failed; the engine may hold stale state"
 
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            log.exception("engine step failed")
-            self._fail_and_recover(e, f"engine step failed: {type(e).__name__}: {e}")
-            return
-        self._publish()  # before the outputs: a caller seeing its last token sees it counted
-        now = time.monotonic()
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
+    def _finish(self) -> list[tuple[_Request, RequestOutput]]:
+        """The step's outputs, each with its request; finished requests leave the table now,
+        so an abort racing with their last output finds nothing to abort."""
+        out = []
+        for o in self.engine.finish_step():
+            req = self._requests.get(o.request_id)
+            if req is None:
                 continue
-            if out.finished:
-                del self._streams[out.request_id]
-            if stream.timing is not None:
+            if o.finished:
+                del self._requests[o.request_id]
+            out.append((req, o))
+        return out
+
+    def _deliver(self, pending: list[tuple[_Request, RequestOutput]]) -> None:
+        now = time.monotonic()
+        for req, out in pending:
+            if req.timing is not None:
                 if out.new_token_ids:
-                    stream.timing.record(len(out.new_token_ids), now)
+                    req.timing.record(len(out.new_token_ids), now)
                 if out.finished:
-                    stream.timing.finished = now
-            stream.last = out
-            if not stream.put(out) and not out.finished:
-                self._streams.pop(out.request_id, None)
+                    req.timing.finished = now
+            req.last = out
+            self._left_waiting(req)
+            if not req.deliver(out) and not out.finished:
+                self._requests.pop(out.request_id, None)  # nobody listens: stop its work
                 self._engine_abort(out.request_id)
+        if pending and self.after_step is not None:
+            self.after_step()
+
+    def _end(self, req: _Request, item: RequestOutput | Exception) -> None:
+        self._left_waiting(req)
+        req.deliver(item)
+        if self.after_step is not None:
+            self.after_step()
+
+    def _left_waiting(self, req: _Request) -> None:
+        if req.waiting:
+            req.waiting = False
+            with self._lock:
+                self._num_waiting -= 1
+
+    def _step_failed(self, error: Exception) -> None:
+        log.exception("engine step failed")
+        self._fail_and_recover(error, f"engine step failed: {type(error).__name__}: {error}")
 
     def _fail_and_recover(self, error: Exception, msg: str) -> None:
-        for request_id, stream in list(self._streams.items()):
+        for request_id, req in list(self._requests.items()):
             if self.recover is None:  # a restart drops the engine's state wholesale
                 self._engine_abort(request_id)
-            stream.put(EngineStepError(msg))
-        self._streams.clear()
+            self._end(req, EngineStepError(msg))
+        self._requests.clear()
         if self.recover is not None:
             self._unhealthy = f"restarting the engine after: {msg}"
             self._publish()
@@ -303,18 +392,20 @@ class LocalEngineClient:
             self._unhealthy = None
 
     def _fail_all(self, error) -> None:
-        for stream in self._streams.values():
-            stream.put(error())
-        self._streams.clear()
+        for req in self._requests.values():
+            self._end(req, error())
+        self._requests.clear()
         while True:  # commands that raced with the stop
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if isinstance(cmd, _Add):
-                cmd.stream.put(error())
-            elif isinstance(cmd, _Abort):
-                _resolve(cmd.done)
+                self._end(cmd.request, error())
+            elif isinstance(cmd, _Abort) and cmd.done is not None:
+                cmd.done()
+            elif isinstance(cmd, _Call):
+                cmd.done(error())
         self._publish()
 
     def _publish(self) -> None:
@@ -323,5 +414,5 @@ class LocalEngineClient:
             running=len(sched.running), waiting=len(sched.waiting),
             cache_usage=self.engine.blocks.usage, acceptance=_copy_stats(self.engine.stats),
             draft_time_per_round=(self.engine.draft_time.snapshot()
-                                  if self.engine.drafter is not None else None),
+                                  if self.engine.has_draft else None),
             verify_time_per_round=self.engine.verify_time.snapshot())

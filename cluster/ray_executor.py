@@ -1,27 +1,31 @@
-"""The engine's runner and drafter as Ray actors: one placement group per engine (bundles
+"""The engine's target and draft as Ray actors: one placement group per engine (bundles
 {GPU: 1, CPU: 1} × tp, STRICT_PACK; {CPU: 1} × tp when the engine runs on CPU), one
 TargetWorker per bundle, the DraftWorker sharing bundle 0 with rank 0 (half a GPU each), or with
-`draft_placement: separate` in a bundle (a GPU) of its own, the last. Same methods as
-ModelRunner / DraftRunner, so LLMEngine drives either.
+`draft_placement: separate` in a bundle (a GPU) of its own, the last.
 
-Per round this costs one call per rank for verify and one call to the draft (propose); the
-draft's context write rides the same actor's queue without a wait. Aux features go from
-rank 0 to the draft through a ring both map (workers/aux_transport.py: CUDA IPC on a shared
-GPU, shared memory on CPU) or, for a separate draft, an NCCL (gloo on CPU) send/recv pair;
-only a small `AuxRef` rides the calls through the driver.
+Ray carries placement, start-up (cluster/startup.py: load → aux transport → profile →
+allocate), the loops' lifetimes and failures. Steps do not ride Ray calls: each actor runs a
+step loop (workers/step_loop.py) fed by the control channel (workers/channel.py), and the
+engine drives them through a `ChannelExecutor` (cluster/executor.py):
 
-Failure handling: every wait on an actor is a `ray.wait` loop, so a dead rank surfaces as
-soon as its reply is an error (the other ranks may be stuck in a collective with it) and a
-hung one after `step_timeout_s`. The caller then `restart()`s: every actor of the engine is
-killed and started afresh in the same placement group."""
+  steps    driver → every TP rank and the draft   (shared memory on one node, else TCP)
+  drafts   draft  → every TP rank
+  results  rank 0 → driver and the draft
+
+Aux features go from rank 0 to the draft through a ring both map (workers/aux_transport.py:
+CUDA IPC on a shared GPU, shared memory on CPU) or, for a separate draft, an NCCL (gloo on CPU)
+send/recv pair; only a small `AuxRef` rides the results channel.
+
+Failure handling: while the driver waits on the channel it checks the loops' Ray tasks, so a
+dead actor (or one whose loop raised) surfaces within `POLL_S` of Ray noticing, and a hung one
+after `step_timeout_s`. The caller then `restart()`s: every actor of the engine is killed and
+started afresh in the same placement group."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import ray
-import torch
 from ray.util.placement_group import (
     PlacementGroup,
     placement_group,
@@ -30,17 +34,26 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine import EnginePlan, LLMEngine
+from cluster.executor import ActorStepTimeout, ChannelExecutor, execute
+from cluster.startup import start_parts
 from configs.engine import EngineConfig
 from draft.actor import DraftWorker
-from workers.model_runner import SeqInput, StepOutput
-from workers.worker import AUX_RING_SLOTS, TargetWorker
+from workers.channel import ChannelReader, ChannelWriter
+from workers.messages import StepKind, StepMsg
+from workers.worker import TargetWorker
 
 # Generous: a first step on a GPU may compile Triton kernels for minutes.
 DEFAULT_STEP_TIMEOUT_S = 900.0
+# The step loop holds one of an actor's threads for its whole life; the other answers calls
+# that do not touch the model (ping, node_id, an operator's introspection).
+LOOP_ACTOR_CONCURRENCY = 2
+
+__all__ = ["ActorStepTimeout", "DEFAULT_STEP_TIMEOUT_S", "RayEngineCluster", "engine_bundles",
+           "separate_draft", "wait_all"]
 
 
-class ActorStepTimeout(TimeoutError):
-    pass
+class ActorDied(RuntimeError):
+    """An actor of the engine died, or its step loop raised."""
 
 
 def wait_all(refs: list, timeout_s: float, what: str) -> list:
@@ -67,52 +80,68 @@ def separate_draft(cfg: EngineConfig) -> bool:
     return cfg.draft_model is not None and cfg.draft_placement == "separate"
 
 
-class RayTargetGroup:
-    def __init__(self, workers: list, step_timeout_s: float):
-        self.workers = workers
-        self.step_timeout_s = step_timeout_s
+class RayMembers:
+    def __init__(self, actors: list, timeout_s: float, what: str):
+        self.actors, self.timeout_s, self.what = actors, timeout_s, what
 
-    def _all(self, method: str, *args) -> list:
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        return wait_all(refs, self.step_timeout_s, f"target {method}")
-
-    def prefill(self, seqs: list[SeqInput]) -> StepOutput:
-        return self._all("prefill", seqs)[0]
-
-    def verify(self, seqs: list[SeqInput]) -> StepOutput:
-        return self._all("verify", seqs)[0]
-
-    def release(self, seq_id: int) -> None:
-        for w in self.workers:
-            w.release.remote(seq_id)
+    def call(self, method: str, *args) -> list:
+        return wait_all([getattr(a, method).remote(*args) for a in self.actors], self.timeout_s,
+                        f"{self.what} {method}")
 
 
-class RayDrafter:
-    """Context writes are not awaited: they queue on the draft actor ahead of the next
-    propose. Two things still need their refs: their errors (raised after that propose), and
-    the aux ring's flow control (rank 0's next put may not overwrite a slot the draft has not
-    read: at most AUX_RING_SLOTS − 1 writes may be outstanding when a step starts)."""
+class RayParts:
+    """The start-up steps (cluster/startup.py) over the actors of `cluster`."""
 
-    def __init__(self, actor, step_timeout_s: float):
-        self.actor = actor
-        self.step_timeout_s = step_timeout_s
-        self.pending: deque = deque()  # write_context refs not yet known to be done
+    def __init__(self, cluster: RayEngineCluster):
+        self.c = cluster
+        self.targets: RayMembers | None = None
+        self.draft: RayMembers | None = None
 
-    def propose(self, anchors, context_lens, block_tables) -> torch.Tensor:
-        ref = self.actor.propose.remote(anchors, context_lens, block_tables)
-        drafts = wait_all([ref], self.step_timeout_s, "draft propose")[0]
-        done, self.pending = list(self.pending), deque()
-        ray.get(done)  # ran before the propose (actor order): raises a failed write
-        return drafts
+    def load(self) -> None:
+        c, cfg, plan, timeout = self.c, self.c.cfg, self.c.plan, self.c.step_timeout_s
+        has_draft = plan.draft_config is not None
+        shared = has_draft and not c.separate_draft  # rank 0 and the draft split a GPU
 
-    def write_context(self, aux, positions, block_tables, counts) -> None:
-        self.pending.append(self.actor.write_context.remote(aux, positions, block_tables, counts))
-        while len(self.pending) > AUX_RING_SLOTS - 1:  # e.g. consecutive prefill steps
-            wait_all([self.pending.popleft()], self.step_timeout_s, "draft context write")
+        def gpus(share: float) -> float:
+            return share if c.use_gpu else 0
+
+        # A ring slot holds the largest step: a prefill budget, or every sequence's block.
+        aux_ring_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * plan.block_size)
+        aux_ring_rows = aux_ring_rows if has_draft else 0
+        worker_cls = ray.remote(TargetWorker)
+        c.workers = [
+            worker_cls.options(num_cpus=1, num_gpus=gpus(0.5 if (i == 0 and shared) else 1),
+                               scheduling_strategy=c.in_bundle(i), max_restarts=0,
+                               max_concurrency=LOOP_ACTOR_CONCURRENCY)
+            .remote(cfg, plan.aux_layer_ids, i, c.tp, aux_ring_rows)
+            for i in range(c.tp)
+        ]
+        addr, port = wait_all([c.workers[0].address.remote()], timeout, "rank 0 address")[0]
+        loads = [w.init_model.remote(addr, port) for w in c.workers]
+        if has_draft:  # alongside the target (colocated: its weights count in rank 0's profile)
+            c.draft = ray.remote(DraftWorker).options(
+                num_cpus=0 if shared else 1, num_gpus=gpus(0.5 if shared else 1),
+                scheduling_strategy=c.in_bundle(0 if shared else c.tp), max_restarts=0,
+                max_concurrency=LOOP_ACTOR_CONCURRENCY,
+            ).remote(cfg, plan.block_size)
+            loads.append(c.draft.ping.remote())
+        wait_all(loads, timeout, "model load")
+        self.targets = RayMembers(c.workers, timeout, "target")
+        self.draft = RayMembers([c.draft], timeout, "draft") if has_draft else None
+
+    def connect_aux(self) -> None:
+        c, timeout = self.c, self.c.step_timeout_s
+        rank0 = c.workers[0]
+        spec = wait_all([rank0.aux_spec.remote()], timeout, "aux ring")[0]
+        # Together: a pair transport's two ends rendezvous (the others return at once).
+        wait_all([rank0.connect_aux.remote(), c.draft.open_aux.remote(spec)], timeout,
+                 "aux transport")
+        wait_all([rank0.seal_aux.remote()], timeout, "aux transport")
 
 
 class RayEngineCluster:
-    """Places and starts the actors of one engine; `engine` is an LLMEngine over them.
+    """Places and starts the actors of one engine; `engine` is an LLMEngine over them, warmed
+    up.
 
     `pg`: a placement group with `engine_bundles(tp, use_gpu)` to use (e.g. a Serve replica's
     own); None creates one, removed again by `shutdown()`. `use_gpu` defaults to whether the
@@ -131,66 +160,97 @@ class RayEngineCluster:
         ray.get(self.pg.ready())
         self.workers: list = []
         self.draft = None
+        self.loops: dict = {}  # each actor's serve_steps task → its name
+        self.channel_kind = ""
+        self.executor: ChannelExecutor | None = None
         self.restarts = 0
-        runner, drafter = self._start_actors()  # sets plan.num_kv_blocks where measured
-        self.engine = LLMEngine(cfg, runner, drafter, self.plan)
+        self.engine = self._start()
 
-    def _in_bundle(self, i: int) -> PlacementGroupSchedulingStrategy:
+    def in_bundle(self, i: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                 placement_group_bundle_index=i)
 
-    def _start_actors(self) -> tuple[RayTargetGroup, RayDrafter | None]:
-        """Load → profile (first start only: the page count is kept for restarts) → allocate."""
-        cfg, plan, timeout = self.cfg, self.plan, self.step_timeout_s
-        has_draft = plan.draft_config is not None
-        shared = has_draft and not self.separate_draft  # rank 0 and the draft split a GPU
+    def _start(self) -> LLMEngine:
+        """Start-up (the page count measured the first time is kept for restarts), the step
+        loops, then the warm-up."""
+        self.plan = start_parts(RayParts(self), self.cfg, self.plan)
+        self.executor = self._start_loops()
+        engine = LLMEngine(self.cfg, self.executor, self.plan)
+        engine.warm_up()
+        return engine
 
-        def gpus(share: float) -> float:
-            return share if self.use_gpu else 0
+    def _actors(self) -> list:
+        return [*self.workers, *([self.draft] if self.draft is not None else [])]
 
-        # A ring slot holds the largest step: a prefill budget, or every sequence's block.
-        aux_ring_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * plan.block_size)
-        aux_ring_rows = aux_ring_rows if has_draft else 0
-        worker_cls = ray.remote(TargetWorker)
-        self.workers = [
-            worker_cls.options(num_cpus=1, num_gpus=gpus(0.5 if (i == 0 and shared) else 1),
-                               scheduling_strategy=self._in_bundle(i), max_restarts=0)
-            .remote(cfg, plan.aux_layer_ids, i, self.tp, aux_ring_rows)
-            for i in range(self.tp)
-        ]
-        addr, port = wait_all([self.workers[0].address.remote()], timeout, "rank 0 address")[0]
-        loads = [w.init_model.remote(addr, port) for w in self.workers]
-        if has_draft:  # alongside the target (colocated: its weights count in rank 0's profile)
-            self.draft = ray.remote(DraftWorker).options(
-                num_cpus=0 if shared else 1, num_gpus=gpus(0.5 if shared else 1),
-                scheduling_strategy=self._in_bundle(0 if shared else self.tp), max_restarts=0,
-            ).remote(cfg, plan.block_size)
-            loads.append(self.draft.ping.remote())
-        wait_all(loads, timeout, "model load")
-        if has_draft:
-            spec = wait_all([self.workers[0].aux_spec.remote()], timeout, "aux ring")[0]
-            # Together: a pair transport's two ends rendezvous (the others return at once).
-            wait_all([self.workers[0].connect_aux.remote(), self.draft.open_aux.remote(spec)],
-                     timeout, "aux transport")
-        if plan.num_kv_blocks is None:
-            refs = [w.profile.remote(plan.block_size) for w in self.workers]
-            profiles = wait_all(refs, timeout, "memory profile")
-            if has_draft:  # after the target's: colocated, both measure the same GPU
-                profiles += wait_all([self.draft.profile.remote()], timeout, "draft profile")
-            self.plan = plan = plan.with_measured_blocks(profiles, cfg.max_num_seqs)
-        actors = [*self.workers, *([self.draft] if has_draft else [])]
-        wait_all([a.allocate.remote(plan.num_kv_blocks) for a in actors], timeout, "allocate")
-        drafter = RayDrafter(self.draft, timeout) if has_draft else None
-        return RayTargetGroup(self.workers, timeout), drafter
+    def _pick_channel_kind(self) -> str:
+        kind = self.cfg.control_channel
+        if kind != "auto":
+            return kind
+        here = ray.get_runtime_context().get_node_id()
+        nodes = wait_all([a.node_id.remote() for a in self._actors()], self.step_timeout_s,
+                         "node ids")
+        return "shm" if all(n == here for n in nodes) else "tcp"
+
+    def _start_loops(self) -> ChannelExecutor:
+        """Creates the three channels (each writer makes its own, the readers open it, the
+        writer seals it) and starts every actor's step loop."""
+        kind, spin, timeout = self._pick_channel_kind(), self.cfg.control_spin_s, \
+            self.step_timeout_s
+        self.channel_kind = kind
+        rank0, draft, tp = self.workers[0], self.draft, self.tp
+        host = ray.util.get_node_ip_address()
+        steps = ChannelWriter(kind, tp + (draft is not None), host=host, spin_s=spin)
+        creates = [rank0.create_channel.remote(kind, 1 + (draft is not None), None, spin)]
+        if draft is not None:
+            creates.append(draft.create_channel.remote(kind, tp, None, spin))
+        specs = wait_all(creates, timeout, "control channels")
+        opens = [w.open_channel.remote("steps", steps.spec, i, spin)
+                 for i, w in enumerate(self.workers)]
+        if draft is not None:
+            opens += [w.open_channel.remote("drafts", specs[1], i, spin)
+                      for i, w in enumerate(self.workers)]
+            opens += [draft.open_channel.remote("steps", steps.spec, tp, spin),
+                      draft.open_channel.remote("results", specs[0], 1, spin)]
+        results = ChannelReader(specs[0], 0, spin)
+        wait_all(opens, timeout, "control channels")
+        steps.seal(timeout)
+        writers = [rank0, *([draft] if draft is not None else [])]
+        wait_all([w.seal_channel.remote() for w in writers], timeout, "control channels")
+        names = [f"target rank {i}" for i in range(tp)] + (["draft"] if draft else [])
+        self.loops = {a.serve_steps.remote(): name
+                      for a, name in zip(self._actors(), names, strict=True)}
+        return ChannelExecutor(steps, results, self._check_loops, timeout)
+
+    def _check_loops(self) -> None:
+        """Raises ActorDied if an actor's step loop has ended (it never does while healthy)."""
+        ready, _ = ray.wait(list(self.loops), num_returns=1, timeout=0)
+        if not ready:
+            return
+        name = self.loops[ready[0]]
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else e
+            raise ActorDied(f"{name}: {type(cause).__name__}: {cause}") from None
+        except ray.exceptions.RayActorError:
+            raise ActorDied(f"{name} died") from None
+        raise ActorDied(f"{name}'s step loop returned")
 
     def actors(self) -> dict[str, list]:
         """Handles of the live actors (for operators and fault-injection tests)."""
         return {"workers": list(self.workers), "draft": [self.draft] if self.draft else []}
 
     def ping(self, timeout_s: float = 10.0) -> None:
-        """Raises if any actor is dead or does not answer within `timeout_s`."""
-        actors = [*self.workers, *([self.draft] if self.draft else [])]
-        wait_all([a.ping.remote() for a in actors], timeout_s, "ping")
+        """Raises if an actor is dead or rank 0's loop does not answer within `timeout_s`.
+        Writes the steps channel: call it from the thread that steps the engine."""
+        self._check_loops()
+        self.executor.submit(StepMsg(-2, StepKind.CALL, call=("ping", ())))
+        self.executor.result(timeout_s)
+
+    def call_workers(self, method: str, *args) -> object:
+        """TargetWorker.method(*args) on every rank, in step with the loops; rank 0's value
+        (e.g. bench/engine.py's all-reduce timing). Same thread rule as `ping`."""
+        return execute(self.executor, StepMsg(-3, StepKind.CALL, call=(method, args))).value
 
     def restart(self) -> LLMEngine:
         """Kills every actor (a rank that survived may hold half-committed state, or sit in a
@@ -198,20 +258,25 @@ class RayEngineCluster:
         cumulative statistics. Requests in flight are the caller's to fail."""
         self._kill_actors()
         old = self.engine
-        runner, drafter = self._start_actors()
-        self.engine = LLMEngine(self.cfg, runner, drafter, self.plan)
+        self.engine = self._start()
         self.engine.stats, self.engine.draft_time = old.stats, old.draft_time
         self.engine.verify_time = old.verify_time
         self.restarts += 1
         return self.engine
 
     def _kill_actors(self) -> None:
-        for actor in [*self.workers, self.draft]:
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        self.workers, self.draft = [], None
+        for actor in self._actors():
+            ray.kill(actor, no_restart=True)
+        self.workers, self.draft, self.loops = [], None, {}
+        if self.executor is not None:
+            self.executor.steps.close()
+            self.executor.results.close()
+            self.executor = None
 
     def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()  # STOP: the loops return
+            self.executor = None
         self._kill_actors()
         if self.owns_pg:
             remove_placement_group(self.pg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,9 @@ def check_load_format(value: str) -> str:
 
 
 DRAFT_PLACEMENTS = ("colocated", "separate")
+CONTROL_CHANNELS = ("auto", "shm", "tcp")
+CONTROL_SPIN_US = 1000
+SPIN_MIN_CPUS = 8
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,14 @@ class EngineConfig:
     # features through CUDA IPC), "separate" takes a GPU of its own (one more placement
     # bundle; aux features through an NCCL send/recv pair). The in-process engine ignores it.
     draft_placement: str = "colocated"
+    # What carries the per-step messages between the driver and the actors
+    # (workers/channel.py): "shm" (shared memory; every actor on the driver's node), "tcp", or
+    # "auto" (shm when they share a node, as a placement group's STRICT_PACK makes them).
+    control_channel: str = "auto"
+    # How long a process waiting on the control channel spins before it sleeps on a FIFO.
+    # None: CONTROL_SPIN_US on hosts with at least SPIN_MIN_CPUS cores, else 0 (on a small
+    # machine the spinners would take the cores the work needs).
+    control_spin_us: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -100,6 +112,13 @@ class EngineConfig:
         if self.draft_placement not in DRAFT_PLACEMENTS:
             raise ValueError(f"draft_placement must be one of {DRAFT_PLACEMENTS}, got "
                              f"{self.draft_placement!r}")
+        if self.control_channel not in CONTROL_CHANNELS:
+            raise ValueError(f"control_channel must be one of {CONTROL_CHANNELS}, got "
+                             f"{self.control_channel!r}")
+        if self.control_spin_us is not None and (
+                not isinstance(self.control_spin_us, int) or self.control_spin_us < 0):
+            raise ValueError(f"control_spin_us must be a non-negative integer or None, got "
+                             f"{self.control_spin_us!r}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_block_size <= 0:
@@ -115,3 +134,9 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def control_spin_s(self) -> float:
+        if self.control_spin_us is not None:
+            return self.control_spin_us * 1e-6
+        return CONTROL_SPIN_US * 1e-6 if (os.cpu_count() or 1) >= SPIN_MIN_CPUS else 0.0

@@ -57,6 +57,8 @@ class ServeArgs:
     enforce_eager: bool = False  # GPU: no CUDA graphs
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
     draft_placement: str = "colocated"  # "separate": the draft on a GPU of its own
+    control_channel: str = "auto"  # per-step messages: shared memory within a node, else TCP
+    control_spin_us: int | None = None  # spin before sleeping on it; None: by core count
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -111,7 +113,8 @@ class ServeArgs:
             kv_block_size=self.kv_block_size, num_kv_blocks=self.num_kv_blocks, seed=self.seed,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager, load_format=self.load_format,
-            draft_placement=self.draft_placement, **extra,
+            draft_placement=self.draft_placement, control_channel=self.control_channel,
+            control_spin_us=self.control_spin_us, **extra,
         )
 
 

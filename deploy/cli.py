@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft-placement", default="colocated",
                    help="colocated (the draft shares TP rank 0's GPU) or separate (a GPU of "
                         "its own; aux features over NCCL)")
+    s.add_argument("--control-channel", default="auto",
+                   help="what carries the per-step messages between the driver and its actors: "
+                        "auto (shared memory when they share a node), shm or tcp")
+    s.add_argument("--control-spin-us", type=int,
+                   help="microseconds a process waiting on that channel spins before it sleeps "
+                        "(default: 1000 on hosts with 8+ cores, else 0)")
     s.add_argument("--max-waiting", type=int,
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
@@ -165,7 +171,8 @@ def serve_forever(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        load_format=args.load_format, draft_placement=args.draft_placement)
+        load_format=args.load_format, draft_placement=args.draft_placement,
+        control_channel=args.control_channel, control_spin_us=args.control_spin_us)
     app = build_deployment(sargs, num_replicas=args.num_replicas)  # ValueError: bad args
 
     import ray

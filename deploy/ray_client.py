@@ -1,7 +1,11 @@
 """`RayEngineClient`: the EngineClient of a Serve replica (or of `dflash-serve generate --tp N`),
 over one driver actor (cluster/driver.py) that it starts in bundle 0 of the engine's placement
 group: the replica's own group when Serve placed it with `placement_group_bundles`, else one it
-creates and removes on shutdown."""
+creates and removes on shutdown.
+
+Requests go in with one `add` call each; outputs come back for all requests together, one
+batch per engine step, over the driver's `stream`, which one task here reads and hands out to
+the requests' queues."""
 
 from __future__ import annotations
 
@@ -57,8 +61,12 @@ class RayEngineClient:
         self.model_name: str = info["model_name"]
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
+        self.channel: str = info["channel"]  # what carries the steps: "shm" | "tcp"
         self.pg, self.owns_pg = pg, owns_pg
         self._snapshot: EngineSnapshot | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._dead: Exception | None = None  # the stream broke: the driver is gone
+        self._reader = asyncio.create_task(self._read_stream())
 
     @classmethod
     async def start(cls, cfg: EngineConfig, tp: int, model_name: str,
@@ -88,28 +96,58 @@ class RayEngineClient:
         await client.refresh()
         return client
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
-        stream = self.driver.generate.options(num_returns="streaming").remote(
-            request_id, list(prompt_ids), params)
-        done = False
+    async def _read_stream(self) -> None:
+        # Backpressure of one batch: while this task is behind, the driver's batches
+        # coalesce instead of queueing as Ray objects.
+        stream = self.driver.stream.options(
+            num_returns="streaming", _generator_backpressure_num_objects=1).remote()
         try:
             async for ref in stream:
-                try:
-                    out: RequestOutput = await ref
-                except Exception as e:
+                for request_id, item in await ref:
+                    q = self._queues.get(request_id)
+                    if q is not None:
+                        q.put_nowait(item)
+            error: Exception = EngineDeadError("the engine driver's stream ended")
+        except asyncio.CancelledError:
+            error = EngineDeadError("the engine is shut down")
+        except Exception as e:
+            error = _unwrap(e)
+            if not isinstance(error, EngineDeadError):
+                error = EngineDeadError(f"the engine driver's stream failed: {error}")
+        self._dead = error
+        for q in self._queues.values():
+            q.put_nowait(error)
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise self._dead
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        q = self._queues[request_id] = asyncio.Queue()
+        done = False
+        try:
+            try:
+                await self.driver.add.remote(request_id, list(prompt_ids), params)
+            except Exception as e:
+                done = True
+                raise _unwrap(e) from None
+            while not done:
+                item = await q.get()
+                if isinstance(item, Exception):
                     done = True  # the driver side has ended the request already
-                    raise _unwrap(e) from None
+                    raise item
                 if timing is not None:
                     now = time.monotonic()
-                    if out.new_token_ids:
-                        timing.record(len(out.new_token_ids), now)
-                    if out.finished:
+                    if item.new_token_ids:
+                        timing.record(len(item.new_token_ids), now)
+                    if item.finished:
                         timing.finished = now
-                done = out.finished
-                yield out
+                done = item.finished
+                yield item
         finally:
-            if not done:  # the consumer left early: stop the engine work now
+            del self._queues[request_id]
+            if not done and self._dead is None:  # the consumer left early: stop its work
                 self.driver.abort.remote(request_id)
 
     async def abort(self, request_id: str) -> None:
@@ -145,6 +183,7 @@ class RayEngineClient:
         await self._call("check_alive")
 
     async def shutdown(self) -> None:
+        self._reader.cancel()
         try:
             await asyncio.wait_for(self.driver.shutdown.remote(), 60)
         except Exception:

@@ -1,8 +1,10 @@
 """The DFlash draft as its own Ray actor, colocated with TP rank 0 (a fractional GPU of the
-same bundle). Under Ray it loads the target's embedding and lm_head itself: the draft embeds its
-block and reads its logits through them; in process it borrows the target's.
+same bundle) or on a GPU of its own. Under Ray it loads the target's embedding and lm_head
+itself: the draft embeds its block and reads its logits through them; in process it borrows the
+target's.
 
-Start-up mirrors TargetWorker: construct (weights) → `profile` → `allocate` (KV pool)."""
+Start-up mirrors TargetWorker: construct (weights) → `open_aux` → `profile` → `allocate` (KV
+pool); then `serve_steps` runs its step loop (workers/step_loop.py)."""
 
 from __future__ import annotations
 
@@ -14,16 +16,19 @@ from configs.engine import EngineConfig
 from draft.model import DFlashDraftModel
 from draft.proposer import DraftRunner
 from target.loader import load_embedding_and_head
-from workers.aux_transport import AuxReceiver, AuxRef, AuxRingSpec
+from workers.aux_transport import AuxReceiver, AuxRingSpec
 from workers.cuda_graphs import graph_max_pages
 from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
+from workers.messages import ContextWrite, ProposeRequest
+from workers.step_loop import StepLoopEnds, run_draft_loop
 
 
-class DraftWorker:
+class DraftWorker(StepLoopEnds):
     def __init__(self, cfg: EngineConfig, block_size: int,
                  embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  device: torch.device | None = None):
+        super().__init__()
         self.cfg, self.block_size = cfg, block_size
         on_gpu = cfg.device.startswith("cuda")
         self.device = device or (torch.device("cuda", 0) if on_gpu else torch.device("cpu"))
@@ -62,8 +67,8 @@ class DraftWorker:
             runner = self._runner(pages)
             table = list(range(pages))
             aux = torch.zeros(tokens, width, dtype=cfg.torch_dtype, device=self.device)
-            runner.write_context(aux, torch.arange(tokens), [table], [tokens])
-            runner.propose([0] * seqs, [tokens] * seqs, [table] * seqs)
+            runner.write_context(ContextWrite(aux, torch.arange(tokens), [table], [tokens]))
+            runner.propose(ProposeRequest([0] * seqs, [tokens] * seqs, [table] * seqs))
 
         peak = measure_peak(self.device, largest_steps)
         d = self.model.cfg
@@ -79,16 +84,9 @@ class DraftWorker:
     def open_aux(self, spec: AuxRingSpec) -> None:
         self.aux_receiver = AuxReceiver.open(spec, self.device)
 
-    def propose(self, anchors: list[int], context_lens: list[int],
-                block_tables: list[list[int]]) -> torch.Tensor:
-        return self.runner.propose(anchors, context_lens, block_tables).cpu()
-
-    def write_context(self, aux: torch.Tensor | AuxRef, positions: torch.Tensor,
-                      block_tables: list[list[int]], counts: list[int]) -> None:
-        """`aux`: the features, or a ref into the ring rank 0 shares with this actor."""
-        if isinstance(aux, AuxRef):
-            aux, _ = self.aux_receiver.get(aux)  # positions: the host copy the driver sent
-        self.runner.write_context(aux, positions, block_tables, counts)
+    def serve_steps(self) -> None:
+        """The step loop; returns when the driver sends STOP."""
+        run_draft_loop(self)
 
     def ping(self) -> bool:
         return True

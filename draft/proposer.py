@@ -17,6 +17,7 @@ from workers.cuda_graphs import (
     num_scratch_pages,
     page_bucket,
 )
+from workers.messages import ContextWrite, ProposeRequest
 
 
 class DraftRunner:
@@ -49,11 +50,11 @@ class DraftRunner:
         return self.block_size - 1
 
     @torch.inference_mode()
-    def write_context(self, aux: torch.Tensor, positions: torch.Tensor,
-                      block_tables: list[list[int]], counts: list[int]) -> None:
+    def write_context(self, write: ContextWrite) -> None:
         """aux [N, n_aux·H] of committed tokens, `counts[i]` of them for sequence i, in order."""
         # Tensor ops on the host copy of the positions, not per-token Python (prefill chunks).
-        pos = positions.cpu().long()  # [N]
+        pos = write.positions.cpu().long()  # [N]
+        block_tables, counts = write.block_tables, write.counts
         width = max(len(t) for t in block_tables)
         tables = torch.zeros(len(block_tables), width, dtype=torch.long)
         for i, t in enumerate(block_tables):
@@ -62,13 +63,13 @@ class DraftRunner:
         page = self.page_size
         slots = tables[seq_of, pos // page] * page + pos % page
         slot_mapping = slots.to(self.device)
-        self.model.write_context(aux.to(self.device), positions.to(self.device), slot_mapping,
+        self.model.write_context(write.aux.to(self.device), pos.to(self.device), slot_mapping,
                                  self.kv_cache)
 
     @torch.inference_mode()
-    def propose(self, anchors: list[int], context_lens: list[int],
-                block_tables: list[list[int]]) -> torch.Tensor:
+    def propose(self, req: ProposeRequest) -> torch.Tensor:
         """Returns [S, B−1] proposed tokens (argmax at every temperature)."""
+        anchors, context_lens, block_tables = req.anchors, req.context_lens, req.block_tables
         # Only the pages holding context and the block: their count bounds the attention's
         # gather width (and holds the block's slots where the flex path writes its K/V).
         width = -(-(max(context_lens) + self.block_size) // self.page_size)

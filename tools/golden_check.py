@@ -39,7 +39,8 @@ def bf16_spacing(x: float) -> float:
 @torch.inference_mode()
 def last_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Target logits after `ids`, cache-free (a fresh single-sequence cache)."""
-    model, device, page = engine.target, engine.runner.device, engine.cfg.kv_block_size
+    runner = engine.executor.runner
+    model, device, page = runner.model, runner.device, engine.cfg.kv_block_size
     pages = -(-len(ids) // page)
     caches = allocate_target_caches(model, pages, page, 1, device)
     runner = ModelRunner(model, caches, (), device)
@@ -99,7 +100,7 @@ def check(spec: LLMEngine, ref: LLMEngine, prompts: list[list[int]], max_tokens:
 def captured_shapes(engine: LLMEngine) -> dict[str, list]:
     """The shapes that ran as CUDA graphs (empty off CUDA or with enforce_eager), and any whose
     capture failed and ran eagerly."""
-    rounds, drafter = engine.runner.graphs, engine.drafter
+    rounds, drafter = engine.executor.runner.graphs, engine.executor.drafter
     return {
         "rounds": sorted(rounds.steps) if rounds is not None else [],
         "proposals": sorted(drafter.graphs) if drafter is not None else [],

@@ -21,12 +21,14 @@ CUDA_VISIBLE_DEVICES to it, so it is cuda:0 in both processes). Steps with more 
 slot holds (long prefills) fall back to an AuxRef carrying the tensors inline on CPU, i.e. the
 object-store path.
 
-Flow-control contract. The transport never waits and cannot detect misuse: put k overwrites
-slot k % num_slots unconditionally. So when put is called, at most num_slots − 1 earlier puts
-may still be unread, where "read" means the reader is done with the tensors `get` returned
-(views into the ring), on the device too: on cuda its stream must have run past their last use,
-e.g. a later host sync on the draft such as propose's `.cpu()`. Enforcing this is the driver's
-job; breaking it silently hands the reader rows of a newer step.
+Flow control. Put k goes into slot k % num_slots, so it may only start once put k − num_slots
+has been read, where "read" means the reader is done with the tensors `get` returned (views
+into the ring), on the device too. The reader says so with `release(ref)` (after a sync of its
+stream on cuda); shm and cuda keep the count of releases in a shared 8-byte counter that `put`
+waits on (only ever when rank 0 runs ahead of the draft, i.e. over consecutive prefill steps).
+The pair transport needs none: a slot's next put waits for its last send, which NCCL and gloo
+complete once the receiver has posted its recv. `seal` (once the reader has opened the ring)
+unlinks every shared-memory name: the mappings stay, nothing is left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ from __future__ import annotations
 import datetime
 import mmap
 import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import torch
 import torch.distributed as dist
+
+from workers.channel import memory_fence
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +73,7 @@ class AuxRingSpec:
     pair_addr: str = ""  # pair: the TCPStore on rank 0's node
     pair_port: int = 0
     pair_backend: str = ""  # pair: "nccl" | "gloo"
+    read_counter: str = ""  # shm, cuda: the segment holding the reader's release count
 
 
 class AuxSender(ABC):
@@ -81,10 +87,11 @@ class AuxSender(ABC):
         self.aux_ring: torch.Tensor  # [S, R, D], set by the subclass
         self.pos_ring: torch.Tensor  # [S, R] int64
         self._puts = 0
+        self._reads: _Counter | None = None  # shm, cuda: the reader's releases
 
     def put(self, aux: torch.Tensor, positions: torch.Tensor) -> AuxRef:
-        """aux [N, D], positions [N]. Never waits for the reader (see the contract); only the
-        inline fallback's `.cpu()` waits for the device."""
+        """aux [N, D], positions [N]. Waits only for a reader num_slots puts behind (see the
+        flow control); the inline fallback's `.cpu()` waits for the device."""
         if aux.dim() != 2 or aux.shape[1] != self.width or aux.dtype != self.dtype:
             # A silent cast (say fp32 → bf16) would change the draft's inputs.
             raise ValueError(f"aux must be [N, {self.width}] {self.dtype}, got "
@@ -92,6 +99,8 @@ class AuxSender(ABC):
         n = aux.shape[0]
         if n > self.max_rows:
             return AuxRef(-1, n, aux.cpu(), positions.cpu())
+        if self._reads is not None:
+            self._reads.wait_for(self._puts - self.num_slots + 1)
         slot = self._puts % self.num_slots
         self._puts += 1
         self._before_write(slot)
@@ -115,6 +124,11 @@ class AuxSender(ABC):
     @abstractmethod
     def spec(self) -> AuxRingSpec: ...
 
+    def seal(self) -> None:
+        """The reader has opened the ring: drop the shared-memory names."""
+        if self._reads is not None:
+            self._reads.unlink()
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -122,10 +136,11 @@ class AuxSender(ABC):
 class AuxReceiver(ABC):
     """Opened in the draft process; `get` returns views into the ring (see the contract)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, spec: AuxRingSpec | None = None):
         self.device = device
         self.aux_ring: torch.Tensor  # [S, R, D]
         self.pos_ring: torch.Tensor  # [S, R] int64
+        self._reads = _Counter(spec.read_counter) if spec and spec.read_counter else None
 
     @staticmethod
     def open(spec: AuxRingSpec, device: torch.device | str) -> AuxReceiver:
@@ -145,6 +160,12 @@ class AuxReceiver(ABC):
     @abstractmethod
     def _before_read(self, ref: AuxRef) -> None:
         """Orders the reads that follow after the sender's copy."""
+
+    def release(self, ref: AuxRef) -> None:
+        """The tensors `get(ref)` returned are no longer read, on the device too (cuda: sync the
+        stream that used them first); the sender may reuse the slot."""
+        if self._reads is not None and ref.aux is None:
+            self._reads.add_one()
 
     def close(self) -> None:
         # Views handed out keep their mapping alive; this only drops the receiver's own.
@@ -167,6 +188,44 @@ def _indexed(device: torch.device | str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+# ---- the reader's release count -------------------------------------------------------------
+
+class _Counter:
+    """An int64 in a POSIX shared-memory segment of its own: the reader adds, the sender
+    waits (polling: it only waits while rank 0 runs ahead of the draft over prefill steps)."""
+
+    def __init__(self, name: str, created: shared_memory.SharedMemory | None = None):
+        self.name, self._created = name, created
+        fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        try:
+            self._buf = mmap.mmap(fd, 8)
+        finally:
+            os.close(fd)
+        self._value = memoryview(self._buf).cast("q")
+
+    @classmethod
+    def create(cls) -> _Counter:
+        shm = shared_memory.SharedMemory(create=True, size=8)  # zeroed
+        shm.close()
+        return cls(shm.name, shm)
+
+    def add_one(self) -> None:
+        memory_fence()  # the reads of the slot before the count that frees it
+        self._value[0] += 1  # one writer: the reader process
+
+    def wait_for(self, count: int) -> None:
+        pause = 20e-6
+        while self._value[0] < count:
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        memory_fence()
+
+    def unlink(self) -> None:
+        if self._created is not None:
+            self._created.unlink()
+            self._created = None
 
 
 # ---- cpu: POSIX shared memory --------------------------------------------------------------
@@ -206,23 +265,28 @@ class _ShmSender(AuxSender):
         self._shm.close()  # its own mapping is not used; the name stays until unlink
         self.aux_ring, self.pos_ring = _map_rings(self._shm.name, num_slots, max_rows, width,
                                                   dtype, create=True)
+        self._reads = _Counter.create()
 
     def _published(self, slot: int, num_rows: int) -> None:
         pass  # copy_ into host memory has finished; the Ray hops carrying the ref order the rest
 
     def spec(self) -> AuxRingSpec:
         return AuxRingSpec("shm", self.num_slots, self.max_rows, self.width, self.dtype,
-                           shm_name=self._shm.name)
+                           shm_name=self._shm.name, read_counter=self._reads.name)
 
-    def close(self) -> None:
+    def seal(self) -> None:
+        super().seal()
         if self._shm is not None:
             self._shm.unlink()  # readers' mappings stay valid; new opens fail
             self._shm = None
 
+    def close(self) -> None:
+        self.seal()
+
 
 class _ShmReceiver(AuxReceiver):
     def __init__(self, spec: AuxRingSpec, device: torch.device):
-        super().__init__(device)
+        super().__init__(device, spec)
         self.aux_ring, self.pos_ring = _map_rings(spec.shm_name, spec.num_slots, spec.max_rows,
                                                   spec.width, spec.dtype)
 
@@ -250,6 +314,7 @@ class _CudaSender(AuxSender):
         self.pos_ring = torch.empty(num_slots, max_rows, dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event(interprocess=True)
         self._copied.record(torch.cuda.current_stream(device))  # creates it on this device
+        self._reads = _Counter.create()
 
     def _published(self, slot: int, num_rows: int) -> None:
         self._copied.record(torch.cuda.current_stream(self.device))
@@ -260,16 +325,17 @@ class _CudaSender(AuxSender):
         return AuxRingSpec("cuda", self.num_slots, self.max_rows, self.width, self.dtype,
                            cuda_aux=reduce_tensor(self.aux_ring),
                            cuda_positions=reduce_tensor(self.pos_ring),
-                           cuda_event=self._copied.ipc_handle())
+                           cuda_event=self._copied.ipc_handle(), read_counter=self._reads.name)
 
     def close(self) -> None:
         # torch's CUDA IPC bookkeeping keeps the memory alive while a reader still maps it.
+        self.seal()
         self.aux_ring = self.pos_ring = torch.empty(0)
 
 
 class _CudaReceiver(AuxReceiver):
     def __init__(self, spec: AuxRingSpec, device: torch.device):
-        super().__init__(device)
+        super().__init__(device, spec)
         rebuild, args = spec.cuda_aux
         self.aux_ring = rebuild(*args)
         rebuild, args = spec.cuda_positions

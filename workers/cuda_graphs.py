@@ -44,6 +44,12 @@ def bucket_for(n: int, max_seqs: int) -> int | None:
     return next((b for b in BUCKETS if n <= b <= top), None)
 
 
+def graph_batch_buckets(max_seqs: int) -> list[int]:
+    """Every batch bucket a step of up to max_seqs sequences may run in."""
+    top = bucket_for(max_seqs, max_seqs)
+    return [b for b in BUCKETS if b <= top]
+
+
 def page_bucket(pages: int, max_pages: int) -> int | None:
     """The power of two ≥ pages (at least 8) a table is widened to; None past max_pages."""
     if pages > max_pages:

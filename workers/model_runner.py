@@ -12,7 +12,6 @@ from configs.engine import SamplingParams
 from target.batch import ForwardBatch, TargetCaches
 from target.model import Qwen3_5MoeForCausalLM
 from workers import sampling
-from workers.aux_transport import AuxRef
 from workers.cache import reset_state_slot
 from workers.cuda_graphs import RoundGraphs
 
@@ -42,9 +41,6 @@ class StepOutput:
     num_committed: list[int]  # tokens entered into the cache (prompt, or anchor + accepted)
     aux: torch.Tensor | None  # [sum committed, n_aux·H], sequences concatenated
     aux_positions: torch.Tensor  # [sum committed] their positions
-    # Under Ray, rank 0 puts `aux` into the ring it shares with the draft and sends this instead
-    # (aux is then None): see workers/aux_transport.py.
-    aux_ref: AuxRef | None = None
 
 
 class ModelRunner:

@@ -3,9 +3,11 @@ its caches and a ModelRunner. Every rank runs the same forward and the same acce
 (identical all-gathered logits and identically seeded generators give identical decisions),
 so ranks never exchange accept results; only rank 0 returns them.
 
-Start-up has three calls, so the driver can size the caches from what every GPU has left:
-`init_model` (process group + weights) → `profile` (memory) → `allocate` (caches + runner).
-The in-process engine uses the same class without Ray (tp 1)."""
+Start-up is a few Ray calls (cluster/startup.py), so the driver can size the caches from what
+every GPU has left: `init_model` (process group + weights) → the aux transport → `profile`
+(memory) → `allocate` (caches + runner); then `serve_steps` runs the step loop
+(workers/step_loop.py) until the driver stops it. The in-process engine uses the same class
+without Ray (tp 1)."""
 
 from __future__ import annotations
 
@@ -24,18 +26,20 @@ from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
 from workers.cache import allocate_target_caches, bytes_per_state_slot, bytes_per_token
 from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, graph_max_pages, num_scratch_pages
 from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
-from workers.model_runner import ModelRunner, SeqInput, StepOutput
+from workers.model_runner import ModelRunner, SeqInput
+from workers.step_loop import StepLoopEnds, run_target_loop
 
-# Ring slots: put k may reuse slot k % 3 once at most two earlier puts are unread; the driver
-# (RayDrafter) keeps it so. Each slot holds the largest step's rows.
+# Ring slots: put k reuses slot k % 3 once the draft has released put k − 3
+# (workers/aux_transport.py). Each slot holds the largest step's rows.
 AUX_RING_SLOTS = 3
 
 
-class TargetWorker:
+class TargetWorker(StepLoopEnds):
     def __init__(self, cfg: EngineConfig, aux_layer_ids: tuple[int, ...], rank: int, tp: int,
                  aux_ring_rows: int = 0):
         """`aux_ring_rows` > 0 (rank 0 under Ray, with a draft): aux features go to the draft
         through a ring of that many rows per slot, shared once at start-up."""
+        super().__init__()
         self.cfg, self.rank, self.tp = cfg, rank, tp
         self.aux_layer_ids = aux_layer_ids
         self.aux_ring_rows = aux_ring_rows if rank == 0 and aux_layer_ids else 0
@@ -77,6 +81,10 @@ class TargetWorker:
     def connect_aux(self) -> None:
         """Joins the draft's end of the transport (called together with its open_aux)."""
         self.aux_sender.connect()
+
+    def seal_aux(self) -> None:
+        """The draft has opened the ring: drop its shared-memory names."""
+        self.aux_sender.seal()
 
     @torch.inference_mode()
     def profile(self, block_size: int) -> MemoryProfile | None:
@@ -126,14 +134,9 @@ class TargetWorker:
         self.runner = ModelRunner(self.model, caches, self.aux_layer_ids, self.device,
                                   cfg.seed, round_graphs)
 
-    def prefill(self, seqs: list[SeqInput]) -> StepOutput | None:
-        return self._only_rank0(self.runner.prefill(seqs))
-
-    def verify(self, seqs: list[SeqInput]) -> StepOutput | None:
-        return self._only_rank0(self.runner.verify(seqs))
-
-    def release(self, seq_id: int) -> None:
-        self.runner.release(seq_id)
+    def serve_steps(self) -> None:
+        """The step loop; returns when the driver sends STOP."""
+        run_target_loop(self)
 
     def ping(self) -> int:
         return self.rank
@@ -169,18 +172,8 @@ class TargetWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _only_rank0(self, out: StepOutput) -> StepOutput | None:
-        if self.rank != 0:
-            return None
-        if self.aux_sender is not None:
-            out.aux_ref = self.aux_sender.put(out.aux, out.aux_positions)
-            out.aux = None
-        else:
-            out.aux = out.aux.cpu()
-        out.aux_positions = out.aux_positions.cpu()  # the draft maps positions on the host
-        return out
-
     def shutdown(self) -> None:
+        self.close_channels()
         if self.aux_sender is not None:
             self.aux_sender.close()
         if dist.is_initialized():

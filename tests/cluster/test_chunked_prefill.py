@@ -29,7 +29,7 @@ def engine(target, draft=None, block_size=None, **kw) -> LLMEngine:
 
 def record_forwards(eng: LLMEngine) -> list[tuple[str, list[SeqInput]]]:
     calls = []
-    prefill, verify = eng.runner.prefill, eng.runner.verify
+    prefill, verify = eng.executor.runner.prefill, eng.executor.runner.verify
 
     def recording_prefill(seqs):
         calls.append(("prefill", seqs))
@@ -39,7 +39,7 @@ def record_forwards(eng: LLMEngine) -> list[tuple[str, list[SeqInput]]]:
         calls.append(("verify", seqs))
         return verify(seqs)
 
-    eng.runner.prefill, eng.runner.verify = recording_prefill, recording_verify
+    eng.executor.runner.prefill, eng.executor.runner.verify = recording_prefill, recording_verify
     return calls
 
 
@@ -71,7 +71,7 @@ def reference(tiny_demo):
 
 def test_chunks_leave_the_caches_and_aux_of_a_whole_prefill(tiny_demo):
     eng = engine(*tiny_demo, 4)
-    runner, prompt = eng.runner, prompts_of([30], 1)[0]
+    runner, prompt = eng.executor.runner, prompts_of([30], 1)[0]
     greedy = SamplingParams()
     whole = runner.prefill([SeqInput(0, prompt, 0, list(range(8)), 0, greedy)])
     table, aux, tokens = list(range(8, 16)), [], []

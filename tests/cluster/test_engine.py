@@ -141,7 +141,7 @@ def test_resources_return_after_finish_and_abort(demo_reference):
         eng.step()
     assert len(eng.blocks.free_blocks) == free_blocks
     assert len(eng.blocks.free_slots) == free_slots
-    assert not eng.runner.generators
+    assert not eng.executor.runner.generators
 
 
 def test_request_errors(tiny_models):

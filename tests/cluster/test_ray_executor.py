@@ -26,10 +26,10 @@ def prompts_and_params(n: int):
     return prompts, params
 
 
-def config(draft: bool, placement: str = "colocated") -> EngineConfig:
+def config(draft: bool, placement: str = "colocated", channel: str = "auto") -> EngineConfig:
     return EngineConfig(model=str(DEMO / "target"), draft_model=str(DEMO / "draft") if draft
                         else None, block_size=8 if draft else None, max_num_seqs=8,
-                        kv_block_size=4, draft_placement=placement)
+                        kv_block_size=4, draft_placement=placement, control_channel=channel)
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +41,26 @@ def reference():
 
 # use_gpu: the GPU placement ({GPU: 1, CPU: 1} bundles, draft and rank 0 on half a GPU each,
 # or the draft on a whole one in an extra bundle) exercised with the session cluster's fake
-# GPUs; the computation stays on CPU. "separate": aux features over the gloo pair.
-@pytest.mark.parametrize(("tp", "draft", "use_gpu", "placement"),
-                         [(1, True, False, "colocated"), (2, True, True, "colocated"),
-                          (2, False, False, "colocated"), (4, True, False, "colocated"),
-                          (2, True, True, "separate")])
+# GPUs; the computation stays on CPU. "separate": aux features over the gloo pair. "tcp": the
+# control channel as it runs when the actors are not on one node.
+@pytest.mark.parametrize(("tp", "draft", "use_gpu", "placement", "channel"),
+                         [(1, True, False, "colocated", "auto"),
+                          (1, False, False, "colocated", "auto"),
+                          (2, True, True, "colocated", "auto"),
+                          (2, False, False, "colocated", "auto"),
+                          (4, True, False, "colocated", "auto"),
+                          (4, False, False, "colocated", "auto"),
+                          (1, True, True, "separate", "auto"),
+                          (2, True, True, "separate", "auto"),
+                          (2, True, False, "colocated", "tcp")])
 def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, draft, use_gpu,
-                                                  placement):
+                                                  placement, channel):
     import ray
 
     prompts, params, want = reference
-    cluster = RayEngineCluster(config(draft, placement), tp, use_gpu=use_gpu)
+    cluster = RayEngineCluster(config(draft, placement, channel), tp, use_gpu=use_gpu)
     try:
+        assert cluster.channel_kind == ("shm" if channel == "auto" else channel)
         got = [o.output_ids for o in cluster.engine.generate(prompts, params)]
         assert got == want
         if draft:
@@ -65,6 +73,24 @@ def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, dr
             shared = ray.get(cluster.workers[0].__ray_call__.remote(
                 lambda self: ray.get_gpu_ids()))
             assert (draft_gpu == shared) == (placement == "colocated")
+    finally:
+        cluster.shutdown()
+
+
+def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference):
+    """The cluster's engine has run its warm-up (a prompt in two chunks, then rounds) when the
+    constructor returns; a restart starts new actors, warms them up again and stays exact."""
+    prompts, params, want = reference
+    cluster = RayEngineCluster(config(draft=True), 2)
+    try:
+        warm = cluster.engine.warmup
+        assert warm["requests"] >= 1 and warm["steps"] >= 3
+        assert cluster.engine.stats.rounds == 0  # the warm-up's rounds are not counted
+        old_workers = cluster.actors()["workers"]
+        engine = cluster.restart()
+        assert cluster.restarts == 1 and engine.warmup["steps"] >= 3
+        assert cluster.actors()["workers"] != old_workers
+        assert [o.output_ids for o in engine.generate(prompts, params)] == want
     finally:
         cluster.shutdown()
 
@@ -90,40 +116,6 @@ def test_aux_ring_feeds_the_draft_exactly_what_the_in_process_engine_feeds(ray_c
         assert sum(map(sum, (o.acceptance_lengths for o in want))) > len(want) * 3
     finally:
         cluster.shutdown()
-
-
-def test_drafter_keeps_at_most_ring_slots_minus_one_writes_outstanding(ray_cluster):
-    import ray
-
-    from cluster.ray_executor import RayDrafter
-    from workers.worker import AUX_RING_SLOTS
-
-    @ray.remote
-    class SlowDraft:  # a draft that lags behind the target, as a busy one would
-        def __init__(self):
-            self.log = []
-
-        def write_context(self, aux, positions, tables, counts):
-            import time
-
-            time.sleep(0.2)
-            self.log.append(aux)
-
-        def propose(self, anchors, context_lens, tables):
-            return torch.zeros(len(anchors), 1, dtype=torch.long)
-
-        def written(self):
-            return self.log
-
-    actor = SlowDraft.remote()
-    drafter = RayDrafter(actor, step_timeout_s=60)
-    for k in range(6):  # six prefill steps in a row: each would put into the ring first
-        drafter.write_context(k, None, [], [])
-        _, unfinished = ray.wait(list(drafter.pending), num_returns=len(drafter.pending),
-                                 timeout=0)
-        assert len(unfinished) <= AUX_RING_SLOTS - 1
-    drafter.propose([1], [1], [[0]])
-    assert not drafter.pending and ray.get(actor.written.remote()) == list(range(6))
 
 
 def test_wait_all_raises_a_failure_at_once_and_a_hang_after_the_timeout(ray_cluster):

@@ -136,7 +136,7 @@ def test_bad_requests_raise_value_error_before_yielding(client):
 
 
 def test_step_exception_fails_in_flight_requests_and_the_loop_survives(client, monkeypatch):
-    runner, calls = client.engine.runner, {"verify": 0}
+    runner, calls = client.engine.executor.runner, {"verify": 0}
     real_verify = runner.verify
 
     def flaky_verify(*args, **kwargs):
@@ -166,13 +166,13 @@ def test_step_exception_fails_in_flight_requests_and_the_loop_survives(client, m
 
 def test_overload_raises_engine_overloaded(monkeypatch):
     client = LocalEngineClient(make_engine(), "tiny", max_waiting=2)
-    gate, real_prefill = threading.Event(), client.engine.runner.prefill
+    gate, real_prefill = threading.Event(), client.engine.executor.runner.prefill
 
     def gated_prefill(*args, **kwargs):
         gate.wait(timeout=30)
         return real_prefill(*args, **kwargs)
 
-    monkeypatch.setattr(client.engine.runner, "prefill", gated_prefill)
+    monkeypatch.setattr(client.engine.executor.runner, "prefill", gated_prefill)
     params = SamplingParams(max_tokens=8, temperature=0.0)
     p = prompts(4, 3)
 

@@ -89,6 +89,13 @@ def driver_handle():
     return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
 
 
+def test_the_engine_warmed_up_before_the_replica_was_healthy(app):
+    # serve.run returned once the replica was healthy; its constructor waited for the driver's
+    # start, which ends with the warm-up: a prompt in two prefill chunks, then rounds.
+    report = ray.get(driver_handle().warmup.remote())
+    assert report["requests"] >= 1 and report["steps"] >= 3 and report["seconds"] > 0
+
+
 def test_completion_and_chat_equal_target_only(app, oai):
     prompt = "The quick brown fox"
     r = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=40, **GREEDY,
@@ -232,14 +239,17 @@ def test_too_many_requests_is_429(app):
     wait_idle(app)
 
 
-def test_killed_worker_fails_its_request_and_the_engine_recovers(app, oai):
+@pytest.mark.parametrize(("role", "index"), [("workers", 1), ("draft", 0)])
+def test_killed_actor_fails_its_request_and_the_engine_recovers(app, oai, role, index):
+    """A TP worker or the draft killed mid-stream: the stream ends with a clear error, the
+    engine restarts all its actors, and the next request is exact."""
     driver = driver_handle()
     restarts = ray.get(driver.restarts.remote())
     stream = oai.completions.create(model=MODEL, prompt="doomed", max_tokens=900, stream=True,
                                     extra_body={"ignore_eos": True})
     it = iter(stream)
     next(it)
-    ray.kill(ray.get(driver.actors.remote())["workers"][1])
+    ray.kill(ray.get(driver.actors.remote())[role][index])
     with pytest.raises(openai.APIError) as e:
         for _ in it:
             pass

@@ -61,12 +61,13 @@ def test_engine_overhead_rounds_commit_what_the_instant_runner_accepts():
     every sequence gains 4 tokens per step."""
     from bench.engine_overhead import InstantDrafter, InstantRunner
     from cluster.engine import EnginePlan, LLMEngine
+    from cluster.executor import LocalExecutor
     from configs.engine import EngineConfig
     from configs.model import TargetConfig
 
     plan = EnginePlan(TargetConfig.from_dict(target_preset("tiny")), None, 8, 4096, 256, 1)
-    engine = LLMEngine(EngineConfig(model="(none)", max_num_seqs=4), InstantRunner(3),
-                       InstantDrafter(8), plan)
+    engine = LLMEngine(EngineConfig(model="(none)", max_num_seqs=4),
+                       LocalExecutor(InstantRunner(3), InstantDrafter(8)), plan)
     for i in range(4):
         engine.add_request([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True), f"r{i}")
     engine.step()  # prefill: one token each
@@ -89,6 +90,7 @@ def test_bench_engine_through_the_cluster_path(ray_cluster, tp, placement):
         "--batch-sizes", "1", "2", "--block-sizes", "4", "--prompt-len", "16", "--iters", "2",
         "--warmup", "1", "--tp", str(tp), "--draft-placement", placement])
     r = engine_cluster.run(args)
+    assert r["channel"] == "shm" and r["warmup"]["steps"] >= 3
     assert [x["batch"] for x in r["ours"]] == [1, 2]
     for x in r["ours"]:
         for key in ("prefill_tok_per_s", "decode_ms", "verify_B4_ms", "draft_B4_ms",

@@ -1,11 +1,13 @@
-"""The aux ring: exact round trips, wrap-around within the flow-control contract, the inline
-fallback, and readers in another (spawned) process, on CPU shared memory and on CUDA IPC."""
+"""The aux ring: exact round trips, wrap-around within the flow control (a put waits for the
+reader's release of the slot it reuses), the inline fallback, and readers in another (spawned)
+process, on CPU shared memory and on CUDA IPC."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import pickle
+import threading
 from collections import deque
 
 import pytest
@@ -25,11 +27,18 @@ def _data(seed: int, n: int, width: int, dtype: torch.dtype,
     return aux, torch.arange(n, device=device) + 1000 * seed
 
 
-def _check(receiver: AuxReceiver, ref: AuxRef, seed: int, spec: AuxRingSpec) -> bool:
+def _check(receiver: AuxReceiver, ref: AuxRef, seed: int, spec: AuxRingSpec,
+           release: bool = True) -> bool:
+    """get(ref) returns exactly the sender's rows; then (release) the slot is given back."""
     aux, pos = receiver.get(ref)
     want_aux, want_pos = _data(seed, ref.num_rows, spec.width, spec.dtype, receiver.device)
-    return (aux.dtype == spec.dtype and pos.dtype == torch.int64
-            and torch.equal(aux, want_aux) and torch.equal(pos, want_pos))
+    ok = (aux.dtype == spec.dtype and pos.dtype == torch.int64
+          and torch.equal(aux, want_aux) and torch.equal(pos, want_pos))
+    if release:
+        if aux.is_cuda:
+            torch.cuda.synchronize(aux.device)
+        receiver.release(ref)
+    return ok
 
 
 def _reader(conn, specs: list[AuxRingSpec], device: str) -> None:
@@ -82,9 +91,9 @@ def test_ref_and_spec_are_tiny_and_picklable():
     sender.close()
 
 
-def test_wrap_around_keeps_unread_slots_within_the_contract():
-    """Each put is made with num_slots − 1 earlier puts still unread (the contract's limit);
-    every unread ref must still return its own rows after later puts."""
+def test_wrap_around_keeps_unreleased_slots_intact():
+    """Puts run up to num_slots ahead of the reader's releases; every unreleased ref must
+    still return its own rows after later puts."""
     num_slots, width = 3, 4
     sender = make_aux_sender("cpu", num_slots, max_rows=8, width=width, dtype=torch.float32)
     receiver = AuxReceiver.open(sender.spec(), "cpu")
@@ -93,9 +102,31 @@ def test_wrap_around_keeps_unread_slots_within_the_contract():
         ref = sender.put(*_data(k, 1 + k % 8, width, torch.float32))
         assert ref.slot == k % num_slots
         unread.append((ref, k))
-        assert all(_check(receiver, r, seed, sender.spec()) for r, seed in unread)
+        assert all(_check(receiver, r, seed, sender.spec(), release=False)
+                   for r, seed in unread)
         if len(unread) == num_slots:
-            unread.popleft()  # read now, so the next put may reuse its slot
+            receiver.release(unread.popleft()[0])  # so the next put may reuse its slot
+    sender.close()
+
+
+def test_put_waits_for_the_release_of_the_slot_it_reuses():
+    """A reader num_slots puts behind holds the sender (rank 0 ahead of the draft over
+    prefill steps) until it releases the oldest slot; inline refs take no slot."""
+    sender = make_aux_sender("cpu", num_slots=2, max_rows=4, width=3, dtype=torch.float32)
+    receiver = AuxReceiver.open(sender.spec(), "cpu")
+    refs = [sender.put(*_data(k, 2, 3, torch.float32)) for k in range(2)]
+    assert sender.put(*_data(9, 5, 3, torch.float32)).slot == -1  # inline: never waits
+    third: list[AuxRef] = []
+    putter = threading.Thread(target=lambda: third.append(
+        sender.put(*_data(2, 3, 3, torch.float32))))
+    putter.start()
+    putter.join(timeout=0.5)
+    assert putter.is_alive() and not third  # slot 0 is still the reader's
+    assert _check(receiver, refs[0], 0, sender.spec())  # read, then released
+    putter.join(timeout=30)
+    assert not putter.is_alive() and third[0].slot == 0
+    assert _check(receiver, refs[1], 1, sender.spec())  # untouched by the third put
+    assert _check(receiver, third[0], 2, sender.spec())
     sender.close()
 
 
@@ -129,6 +160,7 @@ def test_close_unlinks_but_open_views_stay_valid():
     sender.close()
     sender.close()  # idempotent
     assert not os.path.exists(f"/dev/shm/{spec.shm_name}")
+    assert not os.path.exists(f"/dev/shm/{spec.read_counter}")
     assert torch.equal(aux, _data(1, 4, 3, torch.float32)[0])
     with pytest.raises(FileNotFoundError):
         AuxReceiver.open(spec, "cpu")

@@ -15,6 +15,7 @@ from draft.proposer import DraftRunner
 from target.loader import load_target
 from workers.cache import allocate_target_caches
 from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, bucket_for, num_scratch_pages
+from workers.messages import ContextWrite, ProposeRequest
 from workers.model_runner import ModelRunner, SeqInput
 
 PAGE, NUM_BLOCKS, MAX_SEQS = 4, 96, 5
@@ -146,9 +147,9 @@ def test_draft_graph_proposals_equal_the_eager_ones(tiny_demo, request, device):
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
     eager, graph = drafter(False), drafter(True)
     for d in (eager, graph):
-        d.write_context(aux, positions, tables(), lens)
+        d.write_context(ContextWrite(aux, positions, tables(), lens))
     for anchors, n in (([4, 50, 9], 3), ([7], 1), ([1, 2], 2)):  # buckets 4, 1, 2
-        want = eager.propose(anchors, lens[:n], tables()[:n])
-        got = graph.propose(anchors, lens[:n], tables()[:n])
+        want = eager.propose(ProposeRequest(anchors, lens[:n], tables()[:n]))
+        got = graph.propose(ProposeRequest(anchors, lens[:n], tables()[:n]))
         assert got.shape == (n, block - 1) and torch.equal(got.cpu(), want.cpu())
     assert {key[:2] for key in graph.graphs} == {(4, block), (1, block), (2, block)}

@@ -1,0 +1,134 @@
+"""One start-up sequence for both engines: load → aux transport → profile → allocate (then the
+engine warms up, `LLMEngine.warm_up`). In process the parts are plain objects; in the cluster
+(cluster/ray_executor.py) Ray actors. Either way `start_parts` runs the same steps over an
+`EngineParts`, which says how each step reaches its processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from cluster.executor import LocalExecutor
+from configs.engine import EngineConfig
+from configs.model import TargetConfig
+from draft.actor import DraftWorker
+from draft.config import DraftConfig
+from workers.memory import MemoryProfile, plan_num_blocks
+from workers.worker import TargetWorker
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What both the in-process and the Ray engine derive from an EngineConfig."""
+
+    target_config: TargetConfig
+    draft_config: DraftConfig | None  # with the block-size override applied
+    block_size: int  # B tokens verified per round; 1 without a draft
+    max_model_len: int
+    # KV pages per rank. None: measured at start-up (GPU), see workers/memory.py.
+    num_kv_blocks: int | None
+    min_kv_blocks: int  # pages one full-length sequence (+ a verify block) reaches
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.draft_config.target_layer_ids) if self.draft_config else ()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> EnginePlan:
+        tcfg = TargetConfig.from_pretrained(cfg.model)
+        dcfg = None
+        if cfg.draft_model:
+            dcfg = DraftConfig.from_pretrained(cfg.draft_model)
+            dcfg.validate_against(tcfg)
+            if cfg.block_size is not None:
+                dcfg = dcfg.with_block_size(cfg.block_size)
+        block = dcfg.block_size if dcfg else 1
+        max_len = cfg.max_model_len or tcfg.max_position_embeddings
+        pages_per_seq = -(-(max_len + block) // cfg.kv_block_size)
+        num_blocks = cfg.num_kv_blocks
+        if num_blocks is None and not cfg.device.startswith("cuda"):
+            num_blocks = cfg.max_num_seqs * pages_per_seq  # CPU: nothing to measure
+        return cls(tcfg, dcfg, block, max_len, num_blocks, pages_per_seq)
+
+    def with_measured_blocks(self, profiles: list[MemoryProfile | None],
+                             max_num_seqs: int) -> EnginePlan:
+        if self.num_kv_blocks is not None:
+            return self
+        measured = [p for p in profiles if p is not None]
+        num_blocks = plan_num_blocks(measured, max_num_seqs, self.min_kv_blocks)
+        return replace(self, num_kv_blocks=num_blocks)
+
+
+class Members(Protocol):
+    """Processes of one engine part (the TP ranks; the draft)."""
+
+    def call(self, method: str, *args) -> list:
+        """method(*args) on every member, at once; their results in rank order."""
+        ...
+
+
+class EngineParts(Protocol):
+    targets: Members
+    draft: Members | None
+
+    def load(self) -> None:
+        """Weights (the TP group formed first), the draft's alongside."""
+        ...
+
+    def connect_aux(self) -> None:
+        """Rank 0's aux feature transport to the draft, both ends."""
+        ...
+
+
+def start_parts(parts: EngineParts, cfg: EngineConfig, plan: EnginePlan) -> EnginePlan:
+    """Loads, connects, sizes the KV pool (measured on a GPU; the page count of a restart's
+    plan is kept) and allocates; returns the plan with the page count."""
+    parts.load()
+    if parts.draft is not None:
+        parts.connect_aux()
+    if plan.num_kv_blocks is None:
+        profiles = parts.targets.call("profile", plan.block_size)
+        if parts.draft is not None:  # after the target's: colocated, both measure one GPU
+            profiles += parts.draft.call("profile")
+        plan = plan.with_measured_blocks(profiles, cfg.max_num_seqs)
+    for members in (parts.targets, parts.draft):
+        if members is not None:
+            members.call("allocate", plan.num_kv_blocks)
+    return plan
+
+
+class LocalMembers:
+    def __init__(self, objs: list):
+        self.objs = objs
+
+    def call(self, method: str, *args) -> list:
+        return [getattr(o, method)(*args) for o in self.objs]
+
+
+class LocalParts:
+    """Rank 0 of a TP-1 target in this process; the draft borrows its embedding and lm_head."""
+
+    def __init__(self, cfg: EngineConfig, plan: EnginePlan):
+        self.cfg, self.plan = cfg, plan
+        self.worker = TargetWorker(cfg, plan.aux_layer_ids, rank=0, tp=1)
+        self.drafter: DraftWorker | None = None
+        self.targets = LocalMembers([self.worker])
+        self.draft: LocalMembers | None = None
+
+    def load(self) -> None:
+        self.worker.init_model()
+        if self.plan.draft_config is not None:
+            model = self.worker.model
+            self.drafter = DraftWorker(self.cfg, self.plan.block_size, model.embed,
+                                       model.compute_logits, self.worker.device)
+            self.draft = LocalMembers([self.drafter])
+
+    def connect_aux(self) -> None:
+        pass  # the aux tensors go straight from the target's step to the draft
+
+
+def start_in_process(cfg: EngineConfig, plan: EnginePlan) -> tuple[LocalExecutor, EnginePlan]:
+    parts = LocalParts(cfg, plan)
+    plan = start_parts(parts, cfg, plan)
+    drafter = parts.drafter.runner if parts.drafter is not None else None
+    return LocalExecutor(parts.worker.runner, drafter), plan

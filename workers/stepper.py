@@ -1,0 +1,121 @@
+"""Where step messages (workers/messages.py) become runner calls: the same code on every TP
+rank and in the draft actor (fed by the control channel) and in process (fed by the engine
+directly, cluster/executor.py). Each side keeps a `SeqTable` of the sequences it has been
+sent; a step names them by id.
+
+`TargetRunner` and `Drafter` are what the steppers drive: `ModelRunner` and `DraftRunner`
+(workers/model_runner.py, draft/proposer.py) implement them, in process and inside the
+actors alike."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from workers.messages import ContextWrite, NewSeq, ProposeRequest, StepKind, StepMsg
+from workers.model_runner import SeqInput, StepOutput
+
+
+class TargetRunner(Protocol):
+    def prefill(self, seqs: list[SeqInput]) -> StepOutput: ...
+
+    def verify(self, seqs: list[SeqInput]) -> StepOutput: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
+class Drafter(Protocol):
+    def propose(self, req: ProposeRequest) -> torch.Tensor:
+        """[S, B − 1] proposed tokens (argmax at every temperature), on any device."""
+        ...
+
+    def write_context(self, write: ContextWrite) -> None: ...
+
+
+class SeqTable:
+    """The sequences one process has been sent, by id."""
+
+    def __init__(self):
+        self.seqs: dict[int, NewSeq] = {}
+
+    def apply(self, msg: StepMsg) -> None:
+        for seq in msg.new_seqs:
+            self.seqs[seq.seq_id] = seq
+        for seq_id in msg.released:
+            self.seqs.pop(seq_id, None)
+
+    def tables(self, msg: StepMsg) -> list[list[int]]:
+        return [self.seqs[i].block_table for i in msg.seq_ids]
+
+
+class TargetStepper:
+    def __init__(self, runner: TargetRunner):
+        self.runner = runner
+        self.table = SeqTable()
+
+    def apply(self, msg: StepMsg) -> None:
+        """Every message's sequence changes, whatever its kind."""
+        self.table.apply(msg)
+        for seq_id in msg.released:
+            self.runner.release(seq_id)
+
+    def run(self, msg: StepMsg, drafts: list[list[int]] | None) -> tuple[StepOutput, float]:
+        """A PREFILL or ROUND step, after `apply` (drafts: [S, K], None for none); also its
+        wall time."""
+        t = time.perf_counter()
+        seqs = [self.table.seqs[i] for i in msg.seq_ids]
+        if msg.kind is StepKind.PREFILL:
+            out = self.runner.prefill([
+                SeqInput(s.seq_id, s.prompt_ids[start : start + n], start, s.block_table,
+                         s.state_slot, s.params, sample=sample)
+                for s, start, n, sample in zip(seqs, msg.starts, msg.chunk_lens, msg.samples,
+                                               strict=True)])
+        elif msg.kind is StepKind.ROUND:
+            drafts = drafts if drafts is not None else [[]] * len(seqs)
+            out = self.runner.verify([
+                SeqInput(s.seq_id, [anchor, *d], start, s.block_table, s.state_slot, s.params)
+                for s, start, anchor, d in zip(seqs, msg.starts, msg.anchors, drafts,
+                                               strict=True)])
+        else:
+            raise ValueError(f"the target runs PREFILL and ROUND steps, not {msg.kind.name}")
+        return out, time.perf_counter() - t
+
+
+def draft_takes_part(msg: StepMsg) -> bool:
+    """The draft proposes and/or writes context in this step (not when the driver gave the
+    drafts: see StepMsg.drafts)."""
+    return msg.kind is StepKind.PROPOSE or msg.kind is StepKind.PREFILL or (
+        msg.kind is StepKind.ROUND and msg.drafts is None)
+
+
+def committed_counts(msg: StepMsg, num_accepted: list[int]) -> list[int]:
+    """Tokens the step entered into the target's cache per sequence: its prompt chunk, or the
+    anchor and the accepted drafts."""
+    if msg.kind is StepKind.PREFILL:
+        return list(msg.chunk_lens)
+    return [n + 1 for n in num_accepted]
+
+
+class DraftStepper:
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.table = SeqTable()
+
+    def apply(self, msg: StepMsg) -> None:
+        self.table.apply(msg)
+
+    def propose(self, msg: StepMsg) -> tuple[list[list[int]], float]:
+        """The step's proposals [S, B − 1] (host lists) and their wall time."""
+        t = time.perf_counter()
+        drafts = self.drafter.propose(ProposeRequest(list(msg.anchors), list(msg.starts),
+                                                     self.table.tables(msg))).tolist()
+        return drafts, time.perf_counter() - t
+
+    def write_context(self, msg: StepMsg, aux: torch.Tensor, counts: list[int]) -> None:
+        """The step's committed tokens' aux rows [sum counts, n_aux·H], in sequence order."""
+        positions = torch.cat([torch.arange(start, start + n)
+                               for start, n in zip(msg.starts, counts, strict=True)])
+        self.drafter.write_context(ContextWrite(aux, positions, self.table.tables(msg),
+                                                list(counts)))
