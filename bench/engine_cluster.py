@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from configs.engine import EngineConfig
-from configs.presets import draft_preset, target_preset
+from configs.presets import write_preset_dirs
 
 
 def _model_dirs(args, tmp: Path) -> tuple[str, str, str]:
@@ -30,10 +30,8 @@ def _model_dirs(args, tmp: Path) -> tuple[str, str, str]:
         if not args.draft_model:
             raise ValueError("--tp with --model needs --draft-model")
         return args.model, args.draft_model, "auto"
-    for name, raw in (("target", target_preset(args.preset)), ("draft", draft_preset(args.preset))):
-        (tmp / name).mkdir()
-        (tmp / name / "config.json").write_text(json.dumps(raw))
-    return str(tmp / "target"), str(tmp / "draft"), "dummy"
+    target, draft = write_preset_dirs(args.preset, tmp)
+    return str(target), str(draft), "dummy"
 
 
 def run(args) -> dict:

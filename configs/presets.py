@@ -11,6 +11,10 @@ DFlash drafts of 2048-wide targets use); benchmark a real draft with `--draft-mo
 
 from __future__ import annotations
 
+import argparse
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 _QWEN35_TEXT: dict[str, Any] = {
@@ -89,3 +93,33 @@ def draft_preset(name: str) -> dict[str, Any]:
     if name not in DRAFTS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(DRAFTS)}")
     return dict(DRAFTS[name])
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def write_preset_dirs(name: str, root: Path, tokenizer_from: Path | None = None
+                      ) -> tuple[Path, Path]:
+    """root/target and root/draft holding the preset's config.json files, to load with
+    `load_format="dummy"`; with `tokenizer_from`, the target gets that directory's tokenizer
+    files (text prompts; its vocabulary need only fit the preset's)."""
+    dirs = []
+    for kind, raw in (("target", target_preset(name)), ("draft", draft_preset(name))):
+        d = root / kind
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(raw))
+        dirs.append(d)
+    if tokenizer_from is not None:
+        for f in TOKENIZER_FILES:
+            if (tokenizer_from / f).is_file():
+                shutil.copy(tokenizer_from / f, dirs[0] / f)
+    return dirs[0], dirs[1]
+
+
+if __name__ == "__main__":  # python -m configs.presets NAME ROOT [--tokenizer-from DIR]
+    p = argparse.ArgumentParser(description=write_preset_dirs.__doc__.split("\n")[0])
+    p.add_argument("name", choices=sorted(TARGETS))
+    p.add_argument("root", type=Path)
+    p.add_argument("--tokenizer-from", type=Path)
+    a = p.parse_args()
+    print(*write_preset_dirs(a.name, a.root, a.tokenizer_from))

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The served path against the engine on one GPU host without package access (the lent H200),
+# in parts (default: all), results under $OUT:
+#   tests    the GPU tests of the cluster path (CUDA-IPC ring with its release counter, the
+#            engine on Ray actors over the control channel), the CUDA graph runners, the channel
+#   inproc   bench/engine.py in process: batch 1 and 8, B = 16, real 35B-A3B shapes, dummy weights
+#   cluster  the same through the cluster path (--tp 1: Ray actors, step loops, the channel)
+#   hops     bench/control_plane.py on the tiny pair: each hop of the control plane
+#   serve    `dflash-serve serve --load-format dummy` on the 35B-A3B architecture (the tiny
+#            demo's tokenizer), without a draft (AR) and with one (DFlash, B = 16), each measured
+#            by bench/serving.py at concurrency 1 and 8 (512-token prompts, 128 tokens)
+# Usage: ../shared/tools/device-wheels.sh --ray   (fla, Ray Serve) and the openai client's
+#        wheels into .whl/; the device tool: carry .whl
+#        OUT=/some/dir bash tools/gpu_control_plane_check.sh [tests inproc cluster hops serve]
+# (timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SERVE_TIMEOUT seconds; BENCH_ITERS, SERVE_PROMPTS)
+set -u
+OUT=${OUT:-/tmp/gpu_control_plane_check}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+fi
+export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, ray, fla; print('torch', torch.__version__, 'ray', ray.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+nproc | tee -a "$OUT/gpu.txt"
+ITERS=${BENCH_ITERS:-20}
+BENCH="--random-weights --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16
+  --prompt-len 512 --iters $ITERS --warmup 3 --no-baseline"
+
+serve_and_measure() {  # name, extra serve flags
+  local name=$1; shift
+  local port=8123 dirs=/tmp/dummy_35b
+  python3 -m configs.presets qwen3.5-35b-a3b $dirs --tokenizer-from tests/assets/tiny/target \
+    > /dev/null
+  local t0=$SECONDS
+  timeout ${SERVE_TIMEOUT:-420} python3 -m deploy.cli serve --model $dirs/target "$@" \
+    --load-format dummy --tp 1 --device cuda --port $port --served-model-name dummy \
+    > "$OUT/serve_$name.log" 2>&1 &
+  for _ in $(seq 300); do sleep 1; grep -q "Ctrl-C\|Error\|error:" "$OUT/serve_$name.log" && break; done
+  echo "$name: ready after $((SECONDS - t0)) s" | tee -a "$OUT/serve_times.txt"
+  timeout ${SERVE_TIMEOUT:-420} python3 -m bench.serving --base-url http://127.0.0.1:$port \
+    --concurrency 1 8 --num-prompts ${SERVE_PROMPTS:-16} --prompt-len 512 --output-len 128 \
+    --out-dir "$OUT/serving_$name" 2>&1 | tail -8
+  curl -s localhost:$port/metrics | grep -E "^dflash_(draft|verify)_time_per_round_seconds_(sum|count)" \
+    > "$OUT/metrics_$name.txt"
+  pkill -INT -f "deploy.cli serve"; sleep 10
+  grep -v "NCCL INFO" "$OUT/serve_$name.log" | grep -iE "warm-up|error|Traceback" | tail -3
+}
+
+parts=${*:-tests inproc cluster hops serve}
+for part in $parts; do case $part in
+tests)
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+    tests/cluster/test_gpu_cluster.py tests/workers/test_aux_transport.py \
+    tests/workers/test_cuda_graphs.py tests/workers/test_channel.py > "$OUT/gpu_tests.txt" 2>&1
+  tail -6 "$OUT/gpu_tests.txt" ;;
+inproc)
+  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.engine $BENCH --out "$OUT/engine_inproc.json" \
+    2>&1 | tee "$OUT/bench_inproc.log" | grep -v "falling back" | tail -4 ;;
+cluster)
+  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.engine $BENCH --tp 1 \
+    --out "$OUT/engine_tp1.json" 2>&1 | tee "$OUT/bench_tp1.log" | grep -v "falling back" \
+    | tail -5 ;;
+hops)
+  timeout 200 python3 -m bench.control_plane --model tests/assets/tiny/target \
+    --draft tests/assets/tiny/draft --tp 1 --device cuda --iters 200 \
+    --out "$OUT/control_plane.json" > "$OUT/control_plane.log" 2>&1 || tail -20 "$OUT/control_plane.log"
+  python3 -c "
+import json; r = json.load(open('$OUT/control_plane.json'))['results']
+for g in r.values():
+    for k, v in g.items(): print(f'{k:24s} {v[\"median_ms\"]:8.3f} ms  (p90 {v[\"p90_ms\"]:.3f})')" ;;
+serve)
+  serve_and_measure ar
+  serve_and_measure spec --draft-model /tmp/dummy_35b/draft --speculative-dflash-block-size 16 ;;
+esac; done
