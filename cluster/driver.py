@@ -21,14 +21,12 @@ from cluster.engine_loop import LocalEngineClient
 from cluster.engine_types import EngineDeadError, EngineSnapshot
 from cluster.ray_executor import DEFAULT_STEP_TIMEOUT_S, RayEngineCluster
 from configs.engine import EngineConfig, SamplingParams
+from workers.step_loop import GIL_SWITCH_INTERVAL_S
 
 log = logging.getLogger(__name__)
 # A probe waits behind a step already queued: generous, to never restart a busy but healthy
 # engine.
 PROBE_TIMEOUT_S = 60.0
-# The engine thread and the actor's event loop share the GIL: a short switch interval bounds
-# how long the engine thread waits for it after a channel wake-up (CPython's default is 5 ms).
-GIL_SWITCH_INTERVAL_S = 0.0005
 # One stream item: a request's output, or the exception that ends it.
 StreamItem = tuple[str, RequestOutput | Exception]
 
@@ -52,7 +50,7 @@ class EngineDriver:
         """Starts the engine's actors, warms them up and starts the loop (off the event loop:
         loading blocks for long); returns what the client needs to know about the engine."""
         cfg, tp, model_name, max_waiting, pg, use_gpu, step_timeout_s = self._start_args
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the engine thread vs the event loop
         self._loop, self._ready = asyncio.get_running_loop(), asyncio.Event()
         self.cluster = await asyncio.to_thread(
             RayEngineCluster, cfg, tp, pg=pg, use_gpu=use_gpu, step_timeout_s=step_timeout_s)

@@ -14,6 +14,8 @@ the engine). The driver creates, opens and seals each actor's channel ends at st
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from workers.channel import ChannelReader, ChannelSpec, ChannelWriter
@@ -61,8 +63,14 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
+# The loop shares its process's GIL with Ray's threads: a short switch interval bounds how long
+# it waits for the GIL after a channel wake-up (CPython's default is 5 ms).
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def run_target_loop(worker) -> None:
     """A TargetWorker's loop (every rank; rank 0 also answers)."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     steps, drafts_in = worker.channel_readers["steps"], worker.channel_readers.get("drafts")
     results = worker.channel_writer  # rank 0's only
     stepper = TargetStepper(worker.runner)
@@ -97,6 +105,7 @@ def run_target_loop(worker) -> None:
 
 def run_draft_loop(draft) -> None:
     """A DraftWorker's loop."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     steps, results = draft.channel_readers["steps"], draft.channel_readers["results"]
     drafts_out, receiver = draft.channel_writer, draft.aux_receiver
     stepper = DraftStepper(draft.runner)
