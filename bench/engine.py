@@ -69,6 +69,7 @@ class Batch:
         self.num_cached, self.anchors = [0] * b, [0] * b
         self.seq_ids = [SEQ_ID_BASE + i for i in range(b)]
         self.sent, self.step_id = False, 0
+        self.results: list[StepResult] = []  # every step's, with the times measured inside
 
     @classmethod
     def in_process(cls, target, draft_runner, aux_ids, b: int, prompt_len: int, max_new: int,
@@ -91,7 +92,9 @@ class Batch:
         msg = StepMsg(self.step_id, kind, seq_ids=self.seq_ids, new_seqs=new, **fields)
         self.step_id += 1
         self.executor.submit(msg)
-        return self.executor.result()
+        result = self.executor.result()
+        self.results.append(result)
+        return result
 
     def prefill(self) -> StepResult:
         """The whole prompts in one step (again from position 0 on later calls)."""
@@ -127,25 +130,34 @@ class Batch:
 
 def time_steps(batch: Batch, args, sync, block_sizes: list[int],
                set_block=None) -> dict:
-    """Median ms of each step kind over batch: prefill (once), decode, verify per B, and the
-    draft's proposal and a whole round per B in `block_sizes` (`set_block(B)` switches the
-    draft's B where it can; the cluster's is fixed)."""
-    def timed_ms(fn, warmup: int, iters: int) -> float:
-        samples, _ = sample_times(fn, iters, warmup, sync)
-        return statistics.median(samples) * 1e3
+    """Median ms of each step kind over batch, as the engine's thread sees it: prefill (once,
+    after one warm-up), decode, verify per B, and the draft's proposal and a whole round per B
+    in `block_sizes` (`set_block(B)` switches the draft's B where it can; the cluster's is
+    fixed). `inside_ms`: the medians of the same steps' proposal and target step as timed
+    where they ran (in the actors, through the cluster path): the rest is the control plane."""
+    r = {"batch": batch.b}
+    inside = r["inside_ms"] = {}  # where the steps ran: the draft's proposal, the target's step
 
-    b, r = batch.b, {"batch": batch.b}
-    ms = timed_ms(batch.prefill, 0, 1)
-    r["prefill_ms"], r["prefill_tok_per_s"] = ms, b * args.prompt_len / ms * 1e3
-    r["decode_ms"] = timed_ms(lambda: batch.verify([[]] * b), args.warmup, args.iters)
+    def timed_ms(name: str, fn, warmup: int, iters: int) -> None:
+        samples, _ = sample_times(fn, iters, warmup, sync)
+        r[f"{name}_ms"] = statistics.median(samples) * 1e3
+        last = batch.results[-iters:]
+        inside[name] = {k: statistics.median(getattr(x, f"{k}_s") for x in last) * 1e3
+                        for k in ("propose", "verify") if last[0] is not None
+                        and getattr(last[0], f"{k}_s") is not None}
+
+    b = batch.b
+    timed_ms("prefill", batch.prefill, 1, 1)
+    r["prefill_tok_per_s"] = b * args.prompt_len / r["prefill_ms"] * 1e3
+    timed_ms("decode", lambda: batch.verify([[]] * b), args.warmup, args.iters)
     for B in args.block_sizes:
-        r[f"verify_B{B}_ms"] = timed_ms(lambda B=B: batch.verify(batch.random_drafts(B - 1)),
-                                        args.warmup, args.iters)
+        timed_ms(f"verify_B{B}", lambda B=B: batch.verify(batch.random_drafts(B - 1)),
+                 args.warmup, args.iters)
     for B in block_sizes:
         if set_block is not None:
             set_block(B)
-        r[f"draft_B{B}_ms"] = timed_ms(batch.propose, args.warmup, args.iters)
-        r[f"round_B{B}_ms"] = timed_ms(batch.round, args.warmup, args.iters)
+        timed_ms(f"draft_B{B}", batch.propose, args.warmup, args.iters)
+        timed_ms(f"round_B{B}", batch.round, args.warmup, args.iters)
     return r
 
 
