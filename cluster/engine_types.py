@@ -28,8 +28,8 @@ class EngineSnapshot:
     waiting: int  # sequences queued for admission
     cache_usage: float  # fraction of KV pages held, 0..1
     acceptance: AcceptanceStats  # cumulative since start; a copy the caller may keep
-    # Wall time per propose (draft) and per verify round, as the engine's caller sees them
-    # (through Ray: including the actor calls). None: not measured; /metrics leaves it out.
+    # Wall time per proposal (draft) and per verify round, timed where they run (the draft
+    # actor, TP rank 0; in process the same calls). None: not measured; /metrics leaves it out.
     draft_time_per_round: TimeHistogram | None = None
     verify_time_per_round: TimeHistogram | None = None
 

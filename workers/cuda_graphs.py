@@ -2,7 +2,8 @@
 forward to the final hidden states, then the commit of the accepted prefix) and the draft's
 proposal. Uniform rounds make
 the shapes depend only on (S, W) and the block-table width P, so each is captured once per
-(batch bucket, W, page bucket), lazily, and replayed with its inputs copied into static
+(batch bucket, W, page bucket) on first use (the engine's warm-up runs every batch bucket at
+start-up), and replayed with its inputs copied into static
 buffers: one launch instead of thousands. Attention gathers all P pages of every sequence
 (masked past its length), so P is bucketed by powers of two.
 
