@@ -24,7 +24,8 @@ from workers.stepper import (
     TargetRunner,
     TargetStepper,
     committed_counts,
-    draft_takes_part,
+    draft_proposes,
+    draft_writes_context,
 )
 
 
@@ -58,12 +59,11 @@ class LocalExecutor:
 
     def _run(self, msg: StepMsg) -> StepResult:
         self.target.apply(msg)
-        draft = self.draft if draft_takes_part(msg) else None
         if self.draft is not None:
             self.draft.apply(msg)
         drafts, propose_s = msg.drafts, None
-        if draft is not None and msg.kind in (StepKind.ROUND, StepKind.PROPOSE):
-            drafts, propose_s = draft.propose(msg)
+        if self.draft is not None and draft_proposes(msg):
+            drafts, propose_s = self.draft.propose(msg)
         if msg.kind is StepKind.PROPOSE:
             return StepResult(msg.step_id, drafts=drafts, propose_s=propose_s)
         if msg.kind is StepKind.RELEASE:
@@ -71,8 +71,8 @@ class LocalExecutor:
         if msg.kind is not StepKind.PREFILL and msg.kind is not StepKind.ROUND:
             raise ValueError(f"{msg.kind.name} steps address worker actors; none in process")
         out, verify_s = self.target.run(msg, drafts)
-        if draft is not None:
-            draft.write_context(msg, out.aux, committed_counts(msg, out.num_accepted))
+        if self.draft is not None and draft_writes_context(msg):
+            self.draft.write_context(msg, out.aux, committed_counts(msg, out.num_accepted))
         return StepResult(msg.step_id, out.new_tokens, out.num_accepted, propose_s=propose_s,
                           verify_s=verify_s)
 

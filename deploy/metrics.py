@@ -108,7 +108,9 @@ class _EngineCollector:
         yield rate
         if s.draft_time_per_round is not None:
             yield _histogram("dflash_draft_time_per_round_seconds",
-                             "Wall time of one draft proposal, where the draft runs", s.draft_time_per_round)
+                             "Wall time of one draft proposal, where the draft runs",
+                             s.draft_time_per_round)
         if s.verify_time_per_round is not None:
             yield _histogram("dflash_verify_time_per_round_seconds",
-                             "Wall time of one verify pass (forward, acceptance, commit) on TP rank 0", s.verify_time_per_round)
+                             "Wall time of one verify pass (forward, acceptance, commit) on TP "
+                             "rank 0", s.verify_time_per_round)

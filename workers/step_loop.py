@@ -15,12 +15,19 @@ the engine). The driver creates, opens and seals each actor's channel ends at st
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import torch
 
 from workers.channel import ChannelReader, ChannelSpec, ChannelWriter
-from workers.messages import Drafts, StepKind, StepResult
-from workers.stepper import DraftStepper, TargetStepper, committed_counts, draft_takes_part
+from workers.messages import Drafts, StepKind, StepMsg, StepResult
+from workers.stepper import (
+    DraftStepper,
+    TargetStepper,
+    committed_counts,
+    draft_proposes,
+    draft_writes_context,
+)
 
 
 class StepLoopEnds:
@@ -68,25 +75,27 @@ def _node_ip() -> str:
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+def _steps(steps: ChannelReader, stepper: TargetStepper | DraftStepper) -> Iterator[StepMsg]:
+    """The messages until STOP, each applied to the stepper's sequence table first."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    while (msg := steps.recv()).kind is not StepKind.STOP:
+        stepper.apply(msg)
+        yield msg
+
+
 def run_target_loop(worker) -> None:
     """A TargetWorker's loop (every rank; rank 0 also answers)."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    steps, drafts_in = worker.channel_readers["steps"], worker.channel_readers.get("drafts")
+    drafts_in = worker.channel_readers.get("drafts")
     results = worker.channel_writer  # rank 0's only
     stepper = TargetStepper(worker.runner)
-    while True:
-        msg = steps.recv()
-        if msg.kind is StepKind.STOP:
-            return
-        stepper.apply(msg)
+    for msg in _steps(worker.channel_readers["steps"], stepper):
         res = StepResult(msg.step_id)
         if msg.kind is StepKind.CALL:
             method, args = msg.call
             res.value = getattr(worker, method)(*args)
         elif msg.kind is not StepKind.RELEASE:
             drafts = msg.drafts
-            if drafts_in is not None and draft_takes_part(msg) \
-                    and msg.kind is not StepKind.PREFILL:
+            if drafts_in is not None and draft_proposes(msg):
                 got: Drafts = drafts_in.recv()
                 if got.step_id != msg.step_id:
                     raise RuntimeError(f"step {msg.step_id}: drafts of step {got.step_id}")
@@ -97,7 +106,7 @@ def run_target_loop(worker) -> None:
                 out, res.verify_s = stepper.run(msg, drafts)
                 res.new_tokens, res.num_accepted = out.new_tokens, out.num_accepted
                 if results is not None and worker.aux_sender is not None \
-                        and draft_takes_part(msg):
+                        and draft_writes_context(msg):
                     res.aux = worker.aux_sender.put(out.aux, out.aux_positions)
         if results is not None:
             results.send(res)
@@ -105,23 +114,17 @@ def run_target_loop(worker) -> None:
 
 def run_draft_loop(draft) -> None:
     """A DraftWorker's loop."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    steps, results = draft.channel_readers["steps"], draft.channel_readers["results"]
+    results = draft.channel_readers["results"]
     drafts_out, receiver = draft.channel_writer, draft.aux_receiver
     stepper = DraftStepper(draft.runner)
-    while True:
-        msg = steps.recv()
-        if msg.kind is StepKind.STOP:
-            return
-        stepper.apply(msg)
-        takes_part = draft_takes_part(msg)
-        if takes_part and msg.kind is not StepKind.PREFILL:
+    for msg in _steps(draft.channel_readers["steps"], stepper):
+        if draft_proposes(msg):
             tokens, seconds = stepper.propose(msg)
             drafts_out.send(Drafts(msg.step_id, tokens, seconds))
         res: StepResult = results.recv()
         if res.step_id != msg.step_id:
             raise RuntimeError(f"step {msg.step_id}: rank 0 answered step {res.step_id}")
-        if takes_part and msg.kind is not StepKind.PROPOSE:
+        if draft_writes_context(msg):
             aux, _ = receiver.get(res.aux)
             stepper.write_context(msg, aux, committed_counts(msg, res.num_accepted))
             if aux.is_cuda:  # the ring's rows are read once the stream has run the write

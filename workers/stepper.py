@@ -10,7 +10,7 @@ actors alike."""
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -18,6 +18,7 @@ from workers.messages import ContextWrite, NewSeq, ProposeRequest, StepKind, Ste
 from workers.model_runner import SeqInput, StepOutput
 
 
+@runtime_checkable
 class TargetRunner(Protocol):
     def prefill(self, seqs: list[SeqInput]) -> StepOutput: ...
 
@@ -26,6 +27,7 @@ class TargetRunner(Protocol):
     def release(self, seq_id: int) -> None: ...
 
 
+@runtime_checkable
 class Drafter(Protocol):
     def propose(self, req: ProposeRequest) -> torch.Tensor:
         """[S, B − 1] proposed tokens (argmax at every temperature), on any device."""
@@ -83,11 +85,15 @@ class TargetStepper:
         return out, time.perf_counter() - t
 
 
-def draft_takes_part(msg: StepMsg) -> bool:
-    """The draft proposes and/or writes context in this step (not when the driver gave the
-    drafts: see StepMsg.drafts)."""
-    return msg.kind is StepKind.PROPOSE or msg.kind is StepKind.PREFILL or (
-        msg.kind is StepKind.ROUND and msg.drafts is None)
+def draft_proposes(msg: StepMsg) -> bool:
+    """The step needs the draft's proposal (not a round whose drafts the driver gave)."""
+    return msg.kind is StepKind.PROPOSE or (msg.kind is StepKind.ROUND and msg.drafts is None)
+
+
+def draft_writes_context(msg: StepMsg) -> bool:
+    """The step's committed tokens go into the draft's context (a round whose drafts the driver
+    gave leaves the draft out: see StepMsg.drafts)."""
+    return msg.kind is StepKind.PREFILL or (msg.kind is StepKind.ROUND and msg.drafts is None)
 
 
 def committed_counts(msg: StepMsg, num_accepted: list[int]) -> list[int]:

@@ -96,6 +96,9 @@ def test_bench_engine_through_the_cluster_path(ray_cluster, tp, placement):
         for key in ("prefill_tok_per_s", "decode_ms", "verify_B4_ms", "draft_B4_ms",
                     "round_B4_ms"):
             assert x[key] > 0, key
+        inside = x["inside_ms"]  # timed in the actors: the target's step, the draft's proposal
+        assert 0 < inside["decode"]["verify"] and 0 < inside["draft_B4"]["propose"]
+        assert set(inside["round_B4"]) == {"propose", "verify"}
         if tp == 1:
             assert "all_reduce" not in x
             continue
