@@ -274,14 +274,15 @@ class LLMEngine:
         if prompt_len < 2:
             return
         chunk = budget if prompt_len > budget else -(-prompt_len // 2)
+        vocab = self.target_config.vocab_size
         self.scheduler.max_num_batched_tokens = chunk  # two prefill steps
         try:
-            requests += self._warm([list(range(1, prompt_len + 1))], params)
+            requests += self._warm([[i % vocab for i in range(1, prompt_len + 1)]], params)
         finally:
             self.scheduler.max_num_batched_tokens = budget
         if on_gpu and not self.cfg.enforce_eager:
             for n in graph_batch_buckets(self.cfg.max_num_seqs):
-                requests += self._warm([[1 + i] * page for i in range(n)], params)
+                requests += self._warm([[(1 + i) % vocab] * page for i in range(n)], params)
         self.stats, self.draft_time, self.verify_time = stats
         self.warmup = {"requests": requests, "steps": self.num_steps - first_step,
                        "seconds": time.perf_counter() - t}

@@ -195,3 +195,21 @@ def test_greedy_requests_batched_with_sampled_ones_stay_exact(demo_reference):
 def test_a_bad_draft_placement_names_the_field():
     with pytest.raises(ValueError, match="draft_placement must be one of"):
         EngineConfig(model=str(DEMO / "target"), draft_placement="remote")
+
+
+def test_warm_up_chunks_a_prompt_runs_rounds_and_leaves_no_trace(demo_reference):
+    """The warm-up as it runs on a GPU (a prompt of a full prefill budget and a page, longer
+    than this model's vocabulary; CUDA graphs off, so no batch buckets), here on CPU: two
+    prefill chunks and rounds, every page and slot free after, statistics untouched, and the
+    engine still exact."""
+    from dataclasses import replace
+
+    prompts, params, want = demo_reference
+    eng = engine(DEMO / "target", DEMO / "draft", 8, max_num_batched_tokens=600,
+                 kv_block_size=16)
+    eng.cfg = replace(eng.cfg, device="cuda", enforce_eager=True)  # the GPU's warm-up size
+    eng.warm_up()
+    assert eng.warmup["requests"] == 1 and eng.warmup["steps"] >= 4  # 2 chunks, rounds, drop
+    assert eng.stats.rounds == 0 and eng.verify_time.count == 0
+    assert len(eng.blocks.free_blocks) == eng.blocks.num_blocks and not eng.has_unfinished()
+    assert [o.output_ids for o in eng.generate(prompts, params)] == want
