@@ -6,11 +6,7 @@
 #   OUT=/some/dir bash tools/gpu_cluster_check.sh
 set -u
 OUT=${OUT:-/tmp/gpu_cluster_check}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-fi
+. tools/device_env.sh  # .whl/ → /tmp/site, PYTHONPATH
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, ray, fla; print('torch', torch.__version__, 'ray', ray.__version__)" \

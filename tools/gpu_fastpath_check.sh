@@ -15,11 +15,7 @@
 # (the device tool: carry .whl)
 set -u
 OUT=${OUT:-/tmp/gpu_fastpath_check}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then  # fla, and dflash for the tests' tiny draft
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-fi
+. tools/device_env.sh  # .whl/ → /tmp/site, PYTHONPATH
 python3 -c "import fla" 2>/dev/null || echo "WARNING: fla missing: GDN runs the torch reference"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 parts=${*:-tests profile golden bench}

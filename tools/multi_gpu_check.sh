@@ -13,11 +13,7 @@
 # (each part's timeout: TESTS_TIMEOUT, TPCHECK_TIMEOUT, BENCH_TIMEOUT, HOPS_TIMEOUT seconds)
 set -u
 OUT=${OUT:-/tmp/multi_gpu_check}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-fi
+. tools/device_env.sh  # .whl/ → /tmp/site, PYTHONPATH
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0  # NVLink multicast off (the device notes ask for it)
 export NCCL_DEBUG=${NCCL_DEBUG:-INFO} NCCL_DEBUG_SUBSYS=${NCCL_DEBUG_SUBSYS:-INIT}  # transports

@@ -134,7 +134,7 @@ class AuxSender(ABC):
 
 
 class AuxReceiver(ABC):
-    """Opened in the draft process; `get` returns views into the ring (see the contract)."""
+    """Opened in the draft process; `get` returns views into the ring (see the flow control)."""
 
     def __init__(self, device: torch.device, spec: AuxRingSpec | None = None):
         self.device = device
