@@ -137,11 +137,16 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
             self._release(seq)
+            self._flush_if_idle()
 
     def has_unfinished(self) -> bool:
-        """Requests remain, or finished ones the executor's side has not dropped yet (the next
-        step drops them)."""
-        return self.scheduler.has_work() or bool(self._released)
+        return self.scheduler.has_work()
+
+    def _flush_if_idle(self) -> None:
+        """Finished sequences ride the next step to the executor's side; with no next step in
+        sight, a RELEASE message drops them now."""
+        if not self.scheduler.has_work():
+            self.flush_releases()
 
     def flush_releases(self) -> None:
         """Drops finished sequences on the executor's side now, not with the next step."""
@@ -161,7 +166,6 @@ class LLMEngine:
         it while this thread goes on); False when there is nothing to run."""
         plan = self.scheduler.schedule()
         if not plan.prefill and not plan.decode:
-            self.flush_releases()
             return False
         seqs = plan.prefill or plan.decode
         new = [NewSeq(s.seq_id, s.prompt_ids, s.block_table, s.state_slot, s.params)
@@ -207,6 +211,7 @@ class LLMEngine:
                 s.acceptance_lengths.append(self._append(s, toks))
         outputs = self._collect(plan.prefill + plan.decode)
         self._apply_deferred_aborts()
+        self._flush_if_idle()
         return outputs
 
     def _apply_deferred_aborts(self) -> None:

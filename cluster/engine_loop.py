@@ -314,10 +314,6 @@ class LocalEngineClient:
             last = req.last or RequestOutput(cmd.request_id, [], [], [], False, None, [])
             self._end(req, replace(last, new_token_ids=[], finished=True, finish_reason="abort"))
         if cmd.done is not None:
-            try:
-                self.engine.flush_releases()  # its worker-side state too, before done
-            except Exception as e:
-                self._step_failed(e)
             cmd.done()
 
     def _call(self, cmd: _Call) -> None:
