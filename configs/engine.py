@@ -54,7 +54,7 @@ def check_load_format(value: str) -> str:
 
 DRAFT_PLACEMENTS = ("colocated", "separate")
 CONTROL_CHANNELS = ("auto", "shm", "tcp")
-CONTROL_SPIN_US = 1000
+CONTROL_SPIN_US = 50_000
 SPIN_MIN_CPUS = 8
 
 
