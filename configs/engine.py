@@ -89,8 +89,9 @@ class EngineConfig:
     # "auto" (shm when they share a node, as a placement group's STRICT_PACK makes them).
     control_channel: str = "auto"
     # How long a process waiting on the control channel spins before it sleeps on a FIFO.
-    # None: CONTROL_SPIN_US on hosts with at least SPIN_MIN_CPUS cores, else 0 (on a small
-    # machine the spinners would take the cores the work needs).
+    # None: CONTROL_SPIN_US on GPU hosts with at least SPIN_MIN_CPUS cores, else 0 (on a small
+    # machine, or when the model runs on the CPU, the spinners would take the cores the work
+    # needs).
     control_spin_us: int | None = None
 
     def __post_init__(self) -> None:
@@ -139,4 +140,5 @@ class EngineConfig:
     def control_spin_s(self) -> float:
         if self.control_spin_us is not None:
             return self.control_spin_us * 1e-6
-        return CONTROL_SPIN_US * 1e-6 if (os.cpu_count() or 1) >= SPIN_MIN_CPUS else 0.0
+        spare_cores = (os.cpu_count() or 1) >= SPIN_MIN_CPUS and self.device.startswith("cuda")
+        return CONTROL_SPIN_US * 1e-6 if spare_cores else 0.0

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto (shared memory when they share a node), shm or tcp")
     s.add_argument("--control-spin-us", type=int,
                    help="microseconds a process waiting on that channel spins before it sleeps "
-                        "(default: 50000 on hosts with 8+ cores, else 0)")
+                        "(default: 50000 on GPU hosts with 8+ cores, else 0)")
     s.add_argument("--max-waiting", type=int,
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")

@@ -196,3 +196,20 @@ def test_bad_arguments_name_what_is_wrong():
     with pytest.raises(ValueError, match="reader index"):
         ChannelReader(writer.spec, 1)
     writer.close()
+
+
+def test_the_spin_default_spins_only_on_gpu_hosts_with_cores_to_spare(monkeypatch):
+    from configs import engine as engine_config
+
+    def spin_s(device: str, cores: int, **kw) -> float:
+        monkeypatch.setattr(engine_config.os, "cpu_count", lambda: cores)
+        return engine_config.EngineConfig(model="m", device=device, **kw).control_spin_s
+
+    long_spin = engine_config.CONTROL_SPIN_US * 1e-6
+    assert spin_s("cuda", 16) == long_spin
+    assert spin_s("cuda:1", engine_config.SPIN_MIN_CPUS) == long_spin
+    assert spin_s("cuda", engine_config.SPIN_MIN_CPUS - 1) == 0.0
+    assert spin_s("cpu", 64) == 0.0  # the model's own threads need the cores
+    assert spin_s("cpu", 2, control_spin_us=300) == pytest.approx(300e-6)
+    with pytest.raises(ValueError, match="control_spin_us"):
+        spin_s("cuda", 16, control_spin_us=-1)
