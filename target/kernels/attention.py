@@ -1,4 +1,4 @@
-"""Paged attention, reference path (any device): gather each sequence's pages, causal SDPA.
+"""Paged attention (any device): gather each sequence's pages, flash attention over them.
 
 k_cache/v_cache [num_blocks, block_size, kv_heads, D]; slot = block_id·block_size + offset.
 """
@@ -79,6 +79,82 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
 
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that never holds the score matrix, with its log-sum-exp: q [H, Lq, D], k, v
+    [H, Lk, D] (as many heads) → out [H, Lq, D] in q's dtype, lse [H, Lq] fp32 (natural log).
+    causal: query i sees keys 0..i (Lq == Lk). PyTorch's own flash kernels: FlashAttention-2
+    on CUDA for half precision, the memory-efficient kernel for fp32 there, the fused flash
+    kernel on CPU; each returns the log-sum-exp that `merge_partials` combines."""
+    q4, k4, v4 = q[None], k[None], v[None]
+    if q.is_cuda:
+        if q.dtype in (torch.float16, torch.bfloat16):
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                q4, k4, v4, 0.0, causal, False, scale=scale)
+            return out[0][0], out[1][0]
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q4, k4, v4, None, True, 0.0, causal, scale=scale)
+        return out[0][0], out[1][0, :, : q.shape[1]]  # its lse rows are padded
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q4, k4, v4, 0.0, causal, scale=scale)
+    return out[0][0], out[1][0]
+
+
+def merge_partials(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+                   lse2: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over two disjoint key sets from each one's output and log-sum-exp
+    ([H, L, D], [H, L]): the weights exp(lse_i − lse) in fp32."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1, w2 = (lse1 - lse).exp()[..., None], (lse2 - lse).exp()[..., None]
+    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """One sequence's chunk of queries over its context: q [n_q, Hq, D] at the last n_q of
+    the n_k positions whose keys are k, v [n_k, Hkv, D]. The keys before the chunk (its
+    prefix) are visible to every query: the query heads sharing a kv head go as one stack of
+    rows against them, unrepeated K/V; the chunk's own keys are causal: one square causal
+    call, K/V repeated per query head (n_q rows only). Memory O((n_q + n_k)·heads·D)."""
+    n_q, heads, dim = q.shape
+    n_k, kv_heads = k.shape[0], k.shape[1]
+    group, prefix = heads // kv_heads, n_k - n_q
+    qh = q.transpose(0, 1)  # [Hq, n_q, D]
+    k_self = k[prefix:].transpose(0, 1).repeat_interleave(group, 0)
+    v_self = v[prefix:].transpose(0, 1).repeat_interleave(group, 0)
+    o, lse = attention_lse(qh, k_self, v_self, True, scale)
+    if prefix:
+        # [n_q, Hkv, G, D] → [Hkv, G·n_q, D]: row g·n_q + i is query i of head kv·G + g
+        stacked = q.view(n_q, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(
+            kv_heads, group * n_q, dim)
+        op, lsep = attention_lse(stacked, k[:prefix].transpose(0, 1),
+                                 v[:prefix].transpose(0, 1), False, scale)
+        o = merge_partials(o, lse, op.reshape(heads, n_q, dim), lsep.reshape(heads, n_q))
+    return o.transpose(0, 1)
+
+
+# Queries per sequence up to which a sequence's attention is one masked call (decode, verify
+# rounds, short chunks); longer chunks take `chunk_attention`. A round's rows must come out
+# bit for bit as the decode step's would (speculative = target-only, token for token, in
+# bf16 too): one softmax over all of a row's keys in one call, whatever the block size,
+# where splitting the keys at the block's start would round differently per block size.
+MASKED_MAX_QUERIES = 64
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """`chunk_attention`'s contract as one SDPA call with a boolean mask: memory O(n_q·n_k)
+    for the mask and K/V repeated per query head, for few queries."""
+    n_q, n_k = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    kk = k.transpose(0, 1).repeat_interleave(group, 0)  # [Hq, n_k, D]
+    vv = v.transpose(0, 1).repeat_interleave(group, 0)
+    q_pos = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+    mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos  # [n_q, n_k]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -89,21 +165,17 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q [T, Hq, D] for the last query_lens[s] positions of each sequence, whose keys
-    0..seq_lens[s]-1 are all in the cache (the new ones already stored). Causal."""
+    0..seq_lens[s]-1 are all in the cache (the new ones already stored). Causal. Each
+    sequence's pages are gathered (O(context) memory); a prefill chunk is attended by
+    `chunk_attention` (no queries × keys tensor at any context length), a round or a decode
+    by `masked_attention`."""
     out = torch.empty_like(q)
-    group = q.shape[1] // k_cache.shape[2]
     lo = 0
     for s, (n_q, n_k) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        k = gather_pages(k_cache, block_tables[s], n_k).transpose(0, 1)  # [Hkv, n_k, D]
-        v = gather_pages(v_cache, block_tables[s], n_k).transpose(0, 1)
-        k = k.repeat_interleave(group, 0)
-        v = v.repeat_interleave(group, 0)
-        qs = q[lo : lo + n_q].transpose(0, 1)  # [Hq, n_q, D]
-        q_pos = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
-        mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos  # [n_q, n_k]
-        o = F.scaled_dot_product_attention(qs, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                           scale=scale)
-        out[lo : lo + n_q] = o.transpose(0, 1)
+        k = gather_pages(k_cache, block_tables[s], n_k).to(q.dtype)  # [n_k, Hkv, D]
+        v = gather_pages(v_cache, block_tables[s], n_k).to(q.dtype)
+        attend = chunk_attention if n_q > MASKED_MAX_QUERIES else masked_attention
+        out[lo : lo + n_q] = attend(q[lo : lo + n_q], k, v, scale)
         lo += n_q
     return out
 

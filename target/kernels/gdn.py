@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernel dispatch: fla's Triton kernels on CUDA, the torch reference elsewhere."""
+"""Gated DeltaNet kernel dispatch: fla's Triton kernels on CUDA, the torch forms elsewhere."""
 
 from __future__ import annotations
 
@@ -12,8 +12,12 @@ def causal_conv(x, conv_state, weight):
 
 
 def gated_delta_rule(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q, k [L, H, Dk], v [L, H, Dv], g, beta [L, H], state [H, Dk, Dv]. Long
+    inputs (prefill) take the chunked form, short ones (replays, small chunks) the recurrence."""
     if q.is_cuda and _fla() is not None:
         return _fla_recurrent(q, k, v, g, beta, state)
+    if q.shape[0] > gdn_torch.CHUNK:
+        return gdn_torch.chunk_gated_delta_rule(q, k, v, g, beta, state)
     return gdn_torch.recurrent_gated_delta_rule(q, k, v, g, beta, state)
 
 
