@@ -96,10 +96,17 @@ class Batch:
         self.results.append(result)
         return result
 
-    def prefill(self) -> StepResult:
-        """The whole prompts in one step (again from position 0 on later calls)."""
-        out = self._run(StepKind.PREFILL, starts=[0] * self.b,
-                        chunk_lens=[len(p) for p in self.prompts], samples=[True] * self.b)
+    def prefill(self, chunk: int | None = None) -> StepResult:
+        """The whole prompts (again from position 0 on later calls), in steps of at most
+        `chunk` tokens over the batch as the scheduler's budget cuts them (None: one step);
+        returns the last step's result."""
+        n = len(self.prompts[0])
+        per_seq = n if chunk is None else max(1, chunk // self.b)
+        for start in range(0, n, per_seq):
+            k = min(per_seq, n - start)
+            last = start + k == n
+            out = self._run(StepKind.PREFILL, starts=[start] * self.b, chunk_lens=[k] * self.b,
+                            samples=[last] * self.b)
         self.num_cached = [len(p) for p in self.prompts]
         self.anchors = [t[-1] for t in out.new_tokens]
         return out
@@ -135,7 +142,7 @@ def time_steps(batch: Batch, args, sync, block_sizes: list[int],
     in `block_sizes` (`set_block(B)` switches the draft's B where it can; the cluster's is
     fixed). `inside_ms`: the medians of the same steps' proposal and target step as timed
     where they ran (in the actors, through the cluster path): the rest is the control plane."""
-    r = {"batch": batch.b}
+    r = {"batch": batch.b, "prompt_len": args.prompt_len}
     inside = r["inside_ms"] = {}  # where the steps ran: the draft's proposal, the target's step
 
     def timed_ms(name: str, fn, warmup: int, iters: int) -> None:
@@ -147,7 +154,7 @@ def time_steps(batch: Batch, args, sync, block_sizes: list[int],
                         and getattr(last[0], f"{k}_s") is not None}
 
     b = batch.b
-    timed_ms("prefill", batch.prefill, 1, 1)
+    timed_ms("prefill", lambda: batch.prefill(args.prefill_chunk), 1, 1)
     r["prefill_tok_per_s"] = b * args.prompt_len / r["prefill_ms"] * 1e3
     timed_ms("decode", lambda: batch.verify([[]] * b), args.warmup, args.iters)
     for B in args.block_sizes:
@@ -232,11 +239,12 @@ def bench_transformers(hf, device: torch.device, prompt_len: int, vocab: int, ar
 
 
 def table(results: dict) -> str:
-    rows = ["| batch | prefill tok/s | decode ms (floor) | " + " | ".join(
+    rows = ["| batch | context | prefill tok/s | decode ms (floor) | " + " | ".join(
         f"verify B={B} ms (floor) | draft B={B} ms | round B={B} ms"
         for B in results["args"]["block_sizes"]) + " |"]
     for r in results["ours"]:
-        cells = [str(r["batch"]), f"{r['prefill_tok_per_s']:.0f}",
+        cells = [str(r["batch"]), str(r.get("prompt_len", "")),
+                 f"{r['prefill_tok_per_s']:.0f}",
                  f"{r['decode_ms']:.2f} ({r['decode_floor_ms']:.2f})"]
         for B in results["args"]["block_sizes"]:
             cells += [f"{r[f'verify_B{B}_ms']:.2f} ({r[f'verify_B{B}_floor_ms']:.2f})",
@@ -256,7 +264,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
-    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, nargs="+", default=[512], dest="prompt_lens",
+                   help="context before the timed steps; several: each in turn, one model")
+    p.add_argument("--prefill-chunk", type=int, default=8192,
+                   help="prompt tokens per prefill step over the batch (the engine's "
+                        "max_num_batched_tokens default); 0: the whole prompts in one step")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -295,8 +307,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parser's namespace plus `prompt_len` (the context being measured: the first of
+    --prompt-len until main moves on) and `prefill_chunk` None for whole-prompt steps."""
+    args = parser().parse_args(argv)
+    args.prompt_len = args.prompt_lens[0]
+    args.prefill_chunk = args.prefill_chunk or None
+    if args.tp is not None and len(args.prompt_lens) > 1:
+        raise SystemExit("--tp measures one --prompt-len per run")
+    return args
+
+
 def main() -> None:
-    args = parser().parse_args()
+    args = parse_args()
     if args.tp is not None:
         from bench import engine_cluster
 
@@ -338,10 +361,14 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
 
-    for i, b in enumerate(args.batch_sizes):
+    runs = [(n, b) for n in args.prompt_lens for b in args.batch_sizes]
+    for i, (n, b) in enumerate(runs):
+        args.prompt_len = n
         results["ours"].append(bench_batch(target, draft, b, args, bw, device))
         print(json.dumps(results["ours"][-1]), flush=True)
         save()
+        if device.type == "cuda":  # this context's caches and graphs go before the next
+            torch.cuda.empty_cache()
         if i == 0 and not args.no_baseline and raw is not None:  # early: the slow part
             hf = transformers_twin(target, raw)
             results["transformers"] = bench_transformers(hf, device, args.prompt_len,

@@ -87,9 +87,9 @@ def start_parts(parts: EngineParts, cfg: EngineConfig, plan: EnginePlan) -> Engi
     if parts.draft is not None:
         parts.connect_aux()
     if plan.num_kv_blocks is None:
-        profiles = parts.targets.call("profile", plan.block_size)
+        profiles = parts.targets.call("profile", plan.block_size, plan.max_model_len)
         if parts.draft is not None:  # after the target's: colocated, both measure one GPU
-            profiles += parts.draft.call("profile")
+            profiles += parts.draft.call("profile", plan.max_model_len)
         plan = plan.with_measured_blocks(profiles, cfg.max_num_seqs)
     for members in (parts.targets, parts.draft):
         if members is not None:

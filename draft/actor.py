@@ -53,30 +53,36 @@ class DraftWorker(StepLoopEnds):
                                                            cfg.kv_block_size))
 
     @torch.inference_mode()
-    def profile(self) -> MemoryProfile | None:
-        """Peak of the largest steps: a context write of max_num_batched_tokens features and a
-        proposal for max_num_seqs sequences. None on CPU."""
+    def profile(self, max_len: int) -> MemoryProfile | None:
+        """Peak of the largest steps (`largest_steps`). None on CPU."""
         if self.device.type != "cuda":
             return None
         cfg = self.cfg
-        tokens, seqs = cfg.max_num_batched_tokens, cfg.max_num_seqs
-        pages = -(-tokens // cfg.kv_block_size)
-        width = self.model.cfg.aux_hidden_size
-
-        def largest_steps() -> None:
-            runner = self._runner(pages)
-            table = list(range(pages))
-            aux = torch.zeros(tokens, width, dtype=cfg.torch_dtype, device=self.device)
-            runner.write_context(ContextWrite(aux, torch.arange(tokens), [table], [tokens]))
-            runner.propose(ProposeRequest([0] * seqs, [tokens] * seqs, [table] * seqs))
-
-        peak = measure_peak(self.device, largest_steps)
+        peak = measure_peak(self.device, lambda: self.largest_steps(max_len))
         d = self.model.cfg
         per_page = (len(self.model.layers) * 2 * cfg.kv_block_size * d.num_key_value_heads
                     * d.head_dim * cfg.torch_dtype.itemsize)
         return MemoryProfile(gpu_id(self.device), cache_budget(self.device,
                                                               cfg.gpu_memory_utilization),
                              peak, per_page, 0)
+
+    def largest_steps(self, max_len: int) -> None:
+        """A context write of max_num_batched_tokens features at the end of a max_len
+        context, then a proposal for max_num_seqs sequences over max_len − B context tokens
+        (tables max_len long over the pages one write needs: the sizes matter, not what the
+        pages hold)."""
+        cfg = self.cfg
+        tokens = min(cfg.max_num_batched_tokens, max_len)
+        pages = -(-tokens // cfg.kv_block_size)
+        runner = self._runner(pages)
+        table = [i % pages for i in range(-(-max_len // cfg.kv_block_size))]
+        aux = torch.zeros(tokens, self.model.cfg.aux_hidden_size, dtype=cfg.torch_dtype,
+                          device=self.device)
+        runner.write_context(ContextWrite(aux, torch.arange(max_len - tokens, max_len),
+                                          [table], [tokens]))
+        context = max(max_len - self.block_size, 1)
+        runner.propose(ProposeRequest([0] * cfg.max_num_seqs, [context] * cfg.max_num_seqs,
+                                      [table] * cfg.max_num_seqs))
 
     def allocate(self, num_kv_blocks: int) -> None:
         self.runner = self._runner(num_kv_blocks, graphs=True)

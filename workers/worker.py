@@ -20,6 +20,7 @@ import torch.distributed as dist
 from configs.engine import EngineConfig, SamplingParams
 from target.distributed import TPGroup
 from target.kernels import fused
+from target.layers.attention import GatedAttention
 from target.loader import load_target
 from target.model import Qwen3_5MoeForCausalLM
 from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
@@ -87,32 +88,51 @@ class TargetWorker(StepLoopEnds):
         self.aux_sender.seal()
 
     @torch.inference_mode()
-    def profile(self, block_size: int) -> MemoryProfile | None:
-        """The activation peak of the largest steps (a prefill of max_num_batched_tokens, and
-        verify-sized logits + probabilities for max_num_seqs × B rows) and the GPU memory
-        left. All ranks must call it together (the dummy prefill runs collectives). None on
-        CPU, where nothing is measured."""
+    def profile(self, block_size: int, max_len: int) -> MemoryProfile | None:
+        """The activation peak of the largest steps the scheduler can issue, at the longest
+        context (`largest_steps`), and the GPU memory left. All ranks must call it together
+        (the dummy steps run collectives). None on CPU, where nothing is measured."""
         if self.device.type != "cuda":
             return None
-        cfg, model, page = self.cfg, self.model, self.cfg.kv_block_size
-        tokens = cfg.max_num_batched_tokens
-        pages = -(-tokens // page)
-
-        def largest_steps() -> None:
-            caches = allocate_target_caches(model, pages, page, 1, self.device)
-            runner = ModelRunner(model, caches, self.aux_layer_ids, self.device)
-            runner.prefill([SeqInput(0, [0] * tokens, 0, list(range(pages)), 0,
-                                     SamplingParams())])
-            del runner, caches
-            hidden = torch.zeros(cfg.max_num_seqs * block_size, model.config.hidden_size,
-                                 dtype=model.dtype, device=self.device)
-            torch.softmax(model.compute_logits(hidden).float(), dim=-1)
-
-        peak = measure_peak(self.device, largest_steps)
+        cfg = self.cfg
+        peak = measure_peak(self.device, lambda: self.largest_steps(block_size, max_len))
         return MemoryProfile(gpu_id(self.device), cache_budget(self.device,
                                                               cfg.gpu_memory_utilization),
-                             peak, bytes_per_token(self.model) * page,
+                             peak, bytes_per_token(self.model) * cfg.kv_block_size,
                              bytes_per_state_slot(self.model))
+
+    def largest_steps(self, block_size: int, max_len: int) -> None:
+        """What the profile measures: the last prefill chunk of a max_len prompt (a full
+        max_num_batched_tokens over the longest cached prefix), then a verify round of
+        max_num_seqs blocks at that context through the attention captured rounds use, and
+        verify-sized logits + probabilities. The tables run max_len long over the few pages
+        one chunk needs (entries repeat: the values read do not matter, the sizes do), every
+        sequence on one state slot (a verify only reads it)."""
+        cfg, model, page = self.cfg, self.model, self.cfg.kv_block_size
+        tokens = min(cfg.max_num_batched_tokens, max_len)
+        pages = -(-tokens // page)
+        table = [i % pages for i in range(-(-max_len // page))]
+        caches = allocate_target_caches(model, pages, page, 1, self.device)
+        runner = ModelRunner(model, caches, self.aux_layer_ids, self.device)
+        runner.prefill([SeqInput(0, [0] * tokens, max_len - tokens, table, 0,
+                                 SamplingParams())])
+        width = min(block_size, max_len)
+        rounds = [SeqInput(i, [0] * width, max_len - width, table, 0, SamplingParams())
+                  for i in range(cfg.max_num_seqs)]
+        attention = [m for m in model.modules() if isinstance(m, GatedAttention)]
+        graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        saved = [m.round_attention for m in attention]
+        try:
+            for m in attention:
+                m.round_attention = "gathered" if graphs else m.round_attention
+            runner.verify(rounds)
+        finally:
+            for m, kind in zip(attention, saved, strict=True):
+                m.round_attention = kind
+        del runner, caches
+        hidden = torch.zeros(cfg.max_num_seqs * block_size, model.config.hidden_size,
+                             dtype=model.dtype, device=self.device)
+        torch.softmax(model.compute_logits(hidden).float(), dim=-1)
 
     def allocate(self, num_kv_blocks: int) -> None:
         """Caches and runner; on CUDA (unless enforce_eager) rounds replay CUDA graphs with the

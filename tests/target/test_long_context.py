@@ -30,7 +30,8 @@ def masked_reference(q, k, v, scale):
     group = heads // kv_heads
     kk = k.float().transpose(0, 1).repeat_interleave(group, 0)
     vv = v.float().transpose(0, 1).repeat_interleave(group, 0)
-    mask = torch.arange(n_k)[None, :] <= torch.arange(n_k - n_q, n_k)[:, None]
+    pos = torch.arange(n_k, device=q.device)
+    mask = pos[None, :] <= pos[n_k - n_q :, None]
     o = F.scaled_dot_product_attention(q.float().transpose(0, 1), kk, vv, attn_mask=mask,
                                        scale=scale)
     return o.transpose(0, 1)
@@ -157,3 +158,49 @@ def test_a_32k_prompt_runs_in_bounded_memory_on_cpu(long_target):
     growth = result["peak_bytes"] - result["base_bytes"]
     assert growth < scores / 4, (growth, scores)
     assert result["peak_bytes"] < 2 << 30  # the issue's CPU goal: 2 GB for the whole process
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.inference_mode()
+def test_a_prompt_in_chunks_ends_with_the_logits_of_one_piece(long_target, device):
+    """The state hand-off between prefill chunks (the GDN recurrent and conv states, the KV
+    pages): 6,000 tokens in 1,000-token chunks end with the last position's logits of the
+    same prompt in one forward (fla's chunked kernels on CUDA, the torch forms on CPU)."""
+    from target.loader import load_target
+    from workers.cache import allocate_target_caches
+    from workers.model_runner import ModelRunner, SeqInput
+
+    model = load_target(long_target, dtype=torch.float32, device=device)
+    prompt, page = prompt_ids(6000, 384), 16
+    table = list(range(-(-len(prompt) // page)))
+
+    def last_logits(chunk: int) -> torch.Tensor:
+        caches = allocate_target_caches(model, len(table), page, 1, device)
+        runner = ModelRunner(model, caches, (), device)
+        for start in range(0, len(prompt), chunk):
+            seq = SeqInput(0, prompt[start : start + chunk], start, table, 0, SamplingParams())
+            batch = runner._batch([seq], is_verify=False)
+            hidden, _ = model(batch, caches)
+        return model.compute_logits(hidden[-1:]).float()[0]
+
+    whole, chunked = last_logits(len(prompt)), last_logits(1000)
+    torch.testing.assert_close(chunked, whole, atol=2e-4, rtol=2e-4)
+    assert int(chunked.argmax()) == int(whole.argmax())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_attention_on_cuda_equals_the_masked_reference(dtype):
+    """PyTorch's CUDA kernels with their log-sum-exp (flash for bf16, memory-efficient for
+    fp32), at the 35B-A3B head shape: 16 query heads over 2 kv heads of 256."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n_q, n_k in [(300, 300), (200, 5000), (70, 71)]:
+        q = torch.randn(n_q, 16, 256, device="cuda", generator=g).to(dtype)
+        k = torch.randn(n_k, 2, 256, device="cuda", generator=g).to(dtype)
+        v = torch.randn(n_k, 2, 256, device="cuda", generator=g).to(dtype)
+        got = chunk_attention(q, k, v, 256**-0.5)
+        torch.testing.assert_close(got.float(), masked_reference(q, k, v, 256**-0.5).float(),
+                                   atol=TOL[dtype], rtol=TOL[dtype])

@@ -40,11 +40,15 @@ def test_bench_engine_reports_every_step_with_floors(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench.engine", "--random-weights", "--preset", "tiny",
          "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "2",
-         "--block-sizes", "4", "--prompt-len", "16", "--iters", "2", "--warmup", "1",
-         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+         "--block-sizes", "4", "--prompt-len", "16", "40", "--prefill-chunk", "24",
+         "--iters", "2", "--warmup", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert [x["batch"] for x in r["ours"]] == [1, 2] and r["bandwidth_GBps"] > 0
+    # each context in turn, its prompts in prefill steps of at most 24 tokens over the batch
+    assert [(x["prompt_len"], x["batch"]) for x in r["ours"]] == [(16, 1), (16, 2), (40, 1),
+                                                                   (40, 2)]
+    assert r["bandwidth_GBps"] > 0
     for x in r["ours"]:
         for key in ("prefill_tok_per_s", "decode_ms", "decode_floor_ms", "verify_B4_ms",
                     "verify_B4_floor_ms", "draft_B4_ms", "round_B4_ms"):
@@ -85,7 +89,7 @@ def test_bench_engine_through_the_cluster_path(ray_cluster, tp, placement):
     against the bus bandwidth."""
     from bench import engine, engine_cluster
 
-    args = engine.parser().parse_args([
+    args = engine.parse_args([
         "--random-weights", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
         "--batch-sizes", "1", "2", "--block-sizes", "4", "--prompt-len", "16", "--iters", "2",
         "--warmup", "1", "--tp", str(tp), "--draft-placement", placement])
@@ -109,3 +113,33 @@ def test_bench_engine_through_the_cluster_path(ray_cluster, tp, placement):
             assert v["us_per_call"] > 0 and v["bus_floor_us_per_call"] > 0
             assert v["ms_per_step"] == pytest.approx(2 * r["layers"] * v["us_per_call"] / 1e3)
     assert "| batch |" in engine_cluster.table(r)
+
+
+def test_bench_prefill_goes_in_steps_within_the_chunk_budget():
+    from bench.engine import Batch
+    from workers.messages import StepKind, StepResult
+
+    class Recorder:
+        def __init__(self):
+            self.msgs = []
+
+        def submit(self, msg):
+            self.msgs.append(msg)
+
+        def result(self):
+            msg = self.msgs[-1]
+            return StepResult(msg.step_id, [[7] if s else [] for s in msg.samples],
+                              [0] * len(msg.seq_ids))
+
+    rec = Recorder()
+    batch = Batch(rec, 2, 50, 8, 16, 100)
+    batch.prefill(chunk=40)  # 20 tokens per sequence per step: 20 + 20 + 10
+    assert [(m.kind, m.starts, m.chunk_lens, m.samples) for m in rec.msgs] == [
+        (StepKind.PREFILL, [0, 0], [20, 20], [False, False]),
+        (StepKind.PREFILL, [20, 20], [20, 20], [False, False]),
+        (StepKind.PREFILL, [40, 40], [10, 10], [True, True])]
+    assert batch.num_cached == [50, 50] and batch.anchors == [7, 7]
+    assert len(rec.msgs[0].new_seqs) == 2 and not rec.msgs[1].new_seqs  # sequences cross once
+    rec.msgs.clear()
+    batch.prefill()  # None: the whole prompts in one step
+    assert [m.chunk_lens for m in rec.msgs] == [[50, 50]]

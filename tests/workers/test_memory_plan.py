@@ -49,3 +49,41 @@ def test_cpu_plans_without_measuring_and_gpu_plans_measure(tiny_demo):
 def test_gpu_memory_utilization_is_validated():
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(model="m", gpu_memory_utilization=1.5)
+
+
+def test_the_profiled_steps_are_the_largest_at_the_longest_context(tiny_demo, monkeypatch):
+    """What the start-up profile measures (run here on CPU, where it is not measured): a full
+    prefill chunk over the longest prefix, a verify of max_num_seqs blocks there, a context
+    write and a proposal for max_num_seqs sequences at that length."""
+    from draft.actor import DraftWorker
+    from draft.proposer import DraftRunner
+    from target.kernels import attention
+    from workers.worker import TargetWorker
+
+    target, draft = map(str, tiny_demo)
+    cfg = EngineConfig(model=target, draft_model=draft, max_num_seqs=3, max_model_len=1000,
+                       max_num_batched_tokens=96, kv_block_size=8)
+    calls, proposals = [], []
+    real_attention, real_propose = attention.paged_attention, DraftRunner.propose
+
+    def paged_attention(q, k_cache, v_cache, query_lens, seq_lens, *rest):
+        calls.append((list(query_lens), list(seq_lens)))
+        return real_attention(q, k_cache, v_cache, query_lens, seq_lens, *rest)
+
+    def propose(runner, request):
+        proposals.append(list(request.context_lens))
+        return real_propose(runner, request)
+
+    monkeypatch.setattr(attention, "paged_attention", paged_attention)
+    monkeypatch.setattr(DraftRunner, "propose", propose)
+    worker = TargetWorker(cfg, (1, 3), rank=0, tp=1)
+    worker.init_model()
+    assert worker.profile(4, 1000) is None  # nothing to measure on CPU
+    worker.largest_steps(4, 1000)
+    prefill, verify = calls[0], calls[-1]
+    assert prefill == ([96], [1000])  # the last chunk of a 1000-token prompt
+    assert verify == ([4] * 3, [1000] * 3)
+    drafter = DraftWorker(cfg, 4, worker.model.embed, worker.model.compute_logits,
+                          worker.device)
+    drafter.largest_steps(1000)
+    assert proposals == [[996] * 3]
