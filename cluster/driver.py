@@ -21,6 +21,7 @@ from cluster.engine_loop import LocalEngineClient
 from cluster.engine_types import EngineDeadError, EngineSnapshot
 from cluster.ray_executor import DEFAULT_STEP_TIMEOUT_S, RayEngineCluster
 from configs.engine import EngineConfig, SamplingParams
+from configs.logs import setup_logging
 from workers.step_loop import GIL_SWITCH_INTERVAL_S
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class EngineDriver:
     def __init__(self, cfg: EngineConfig, tp: int, model_name: str,
                  max_waiting: int | None = None, pg=None, use_gpu: bool | None = None,
                  step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
+        setup_logging()
         self._start_args = (cfg, tp, model_name, max_waiting, pg, use_gpu, step_timeout_s)
         self.cluster: RayEngineCluster | None = None
         self.client: LocalEngineClient | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ from configs.engine import EngineConfig, SamplingParams
 from workers.cuda_graphs import graph_batch_buckets
 from workers.messages import NewSeq, StepKind, StepMsg
 
+log = logging.getLogger(__name__)
+
 __all__ = ["AcceptanceStats", "EnginePlan", "LLMEngine", "RequestOutput", "read_eos_ids"]
 
 
@@ -35,6 +38,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     acceptance_lengths: list[int]
+    error: str | None = None  # finish_reason "error": why this request failed alone
 
 
 @dataclass
@@ -195,18 +199,23 @@ class LLMEngine:
             self._apply_deferred_aborts()
             raise
         if plan.prefill:
-            for s, n, toks in zip(plan.prefill, plan.chunk_lens, result.new_tokens,
-                                  strict=True):
+            for i, (s, n, toks) in enumerate(zip(plan.prefill, plan.chunk_lens,
+                                                 result.new_tokens, strict=True)):
                 s.num_cached += n
-                if s.prefilled:
+                if i in result.errors:
+                    self._fail(s, result.errors[i])
+                elif s.prefilled:
                     self._append(s, toks)
         else:
             if result.propose_s is not None:
                 self.draft_time.observe(result.propose_s)
             self.verify_time.observe(result.verify_s)
-            for s, toks, n in zip(plan.decode, result.new_tokens, result.num_accepted,
-                                  strict=True):
+            for i, (s, toks, n) in enumerate(zip(plan.decode, result.new_tokens,
+                                                 result.num_accepted, strict=True)):
                 s.num_cached += n + 1
+                if i in result.errors:
+                    self._fail(s, result.errors[i])
+                    continue
                 self.stats.record(n, self.block_size - 1)
                 s.acceptance_lengths.append(self._append(s, toks))
         outputs = self._collect(plan.prefill + plan.decode)
@@ -218,6 +227,13 @@ class LLMEngine:
         aborts, self._deferred_aborts = self._deferred_aborts, []
         for request_id in aborts:
             self.abort(request_id)
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        """The step failed for this sequence alone (its sampling): it ends with finish reason
+        "error" and the reason; the others go on."""
+        log.error("request %s failed in step %d: %s", seq.request_id, self.num_steps - 1, error)
+        seq.error = error
+        self.scheduler.finish(seq, "error")
 
     def _append(self, seq: Sequence, tokens: list[int]) -> int:
         """Appends tokens up to the first stop condition; returns how many were kept."""
@@ -245,7 +261,8 @@ class LLMEngine:
                 continue  # a non-final prompt chunk: nothing to report yet
             s.num_streamed = len(s.output_ids)
             outs.append(RequestOutput(s.request_id, s.prompt_ids, new, list(s.output_ids),
-                                      s.finished, s.finish_reason, list(s.acceptance_lengths)))
+                                      s.finished, s.finish_reason, list(s.acceptance_lengths),
+                                      s.error))
             if s.finished:
                 self._release(s)
                 self._by_request.pop(s.request_id, None)

@@ -23,6 +23,7 @@ from cluster.engine_types import (
     EngineSnapshot,
     EngineStepError,
     RequestTiming,
+    request_failed,
 )
 from configs.engine import SamplingParams
 
@@ -160,6 +161,8 @@ class LocalEngineClient:
                     done = True
                     raise item
                 done = item.finished
+                if item.finish_reason == "error":
+                    raise request_failed(request_id, item.error)
                 yield item
         finally:
             if not done:  # the consumer left early (disconnect, stop string, cancellation)

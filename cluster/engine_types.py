@@ -19,7 +19,14 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step raised: every request in flight at that moment fails with this (HTTP 500)."""
+    """A step raised: every request in flight at that moment fails with this (HTTP 500); or
+    a step failed for one request alone (`request_failed`)."""
+
+
+def request_failed(request_id: str, error: str | None) -> EngineStepError:
+    """What a request whose own part of a step failed (finish reason "error") raises."""
+    return EngineStepError(f"request {request_id!r} failed in the engine ({error}); other "
+                           f"requests were not affected")
 
 
 @dataclass(frozen=True)

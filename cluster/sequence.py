@@ -20,7 +20,8 @@ class Sequence:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why it failed ("error"): its own step failure
     # Tokens whose KV / GDN state are committed in the target; below len(prompt_ids) while the
     # prompt is still being prefilled chunk by chunk.
     num_cached: int = 0

@@ -5,6 +5,7 @@ engine warms up, `LLMEngine.warm_up`). In process the parts are plain objects; i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -13,8 +14,11 @@ from configs.engine import EngineConfig
 from configs.model import TargetConfig
 from draft.actor import DraftWorker
 from draft.config import DraftConfig
+from target.kernels.attention import backend_name
 from workers.memory import MemoryProfile, plan_num_blocks
 from workers.worker import TargetWorker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,17 @@ def start_parts(parts: EngineParts, cfg: EngineConfig, plan: EnginePlan) -> Engi
         profiles = parts.targets.call("profile", plan.block_size, plan.max_model_len)
         if parts.draft is not None:  # after the target's: colocated, both measure one GPU
             profiles += parts.draft.call("profile", plan.max_model_len)
+        peaks = [p.activation_peak for p in profiles if p is not None]
         plan = plan.with_measured_blocks(profiles, cfg.max_num_seqs)
+        if peaks:
+            log.info("measured activation peaks of the largest steps at %d tokens of context: "
+                     "%s GiB", plan.max_model_len, ", ".join(f"{p / 2**30:.2f}" for p in peaks))
     for members in (parts.targets, parts.draft):
         if members is not None:
             members.call("allocate", plan.num_kv_blocks)
+    log.info("KV cache: %d pages of %d tokens (%d tokens); attention: %s", plan.num_kv_blocks,
+             cfg.kv_block_size, plan.num_kv_blocks * cfg.kv_block_size,
+             backend_name(cfg.device, cfg.torch_dtype))
     return plan
 
 

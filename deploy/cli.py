@@ -8,6 +8,8 @@ import json
 import sys
 import time
 
+from configs.logs import setup_logging
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
+            setup_logging()
             return serve_forever(args)
         if args.command == "generate":
             result = generate(args)

@@ -81,6 +81,9 @@ class StepResult:
     value: object = None  # CALL: rank 0's return value
     propose_s: float | None = None  # wall time of the draft's proposal (ROUND, PROPOSE)
     verify_s: float | None = None  # wall time of the target's forward + accept + commit
+    # index in seq_ids → why that sequence failed in this step (its sampling): the engine
+    # fails that request alone
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ commit of the accepted prefix (KV stays, GDN state is replayed). One per TP rank
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,13 @@ class StepOutput:
     num_committed: list[int]  # tokens entered into the cache (prompt, or anchor + accepted)
     aux: torch.Tensor | None  # [sum committed, n_aux·H], sequences concatenated
     aux_positions: torch.Tensor  # [sum committed] their positions
+    # index in the step → why that sequence's sampling failed: it fails alone (no tokens;
+    # a round commits its anchor only), the others' results stand
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+def describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 class ModelRunner:
@@ -117,6 +124,7 @@ class ModelRunner:
         hidden, aux = self.model(batch, self.caches)
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         new_tokens: list[list[int]] = [[] for _ in seqs]
+        errors: dict[int, str] = {}
         if sampled:
             cu = batch.cu_seqlens
             last = torch.tensor([cu[i + 1] - 1 for i in sampled], device=hidden.device)
@@ -124,18 +132,25 @@ class ModelRunner:
             # Greedy rows take the argmax, the others an inverse-CDF sample with a uniform from
             # their own generator; all read back with one host sync.
             tokens = logits.argmax(-1)  # [len(sampled)]
-            rows = [row for row, i in enumerate(sampled) if not seqs[i].params.greedy]
+            rows, probs, u = [], [], []
+            for r, i in enumerate(sampled):
+                if seqs[i].params.greedy:
+                    continue
+                try:  # a sequence whose sampling fails fails alone
+                    probs.append(sampling.probs_from_logits(logits[r : r + 1], seqs[i].params))
+                    u.append(torch.rand(1, generator=self._generator(seqs[i])))
+                    rows.append(r)
+                except Exception as e:
+                    errors[i] = describe(e)
             if rows:
-                probs = torch.cat([sampling.probs_from_logits(logits[r : r + 1],
-                                                              seqs[sampled[r]].params)
-                                   for r in rows])
-                u = torch.cat([torch.rand(1, generator=self._generator(seqs[sampled[r]]))
-                               for r in rows])
                 picked = torch.tensor(rows, device=tokens.device)
-                tokens[picked] = sampling.sample_from(probs, u.to(probs.device))
+                probs_t = torch.cat(probs)
+                tokens[picked] = sampling.sample_from(probs_t, torch.cat(u).to(probs_t.device))
             for row, tok in enumerate(tokens.tolist()):
-                new_tokens[sampled[row]] = [tok]
-        return StepOutput(new_tokens, [0] * len(seqs), batch.query_lens, aux, batch.positions)
+                if sampled[row] not in errors:
+                    new_tokens[sampled[row]] = [tok]
+        return StepOutput(new_tokens, [0] * len(seqs), batch.query_lens, aux, batch.positions,
+                          errors)
 
     @staticmethod
     def _accept_greedy(seqs: list[SeqInput], batch: ForwardBatch, logits: torch.Tensor,
@@ -165,16 +180,26 @@ class ModelRunner:
         pairs = torch.stack([n, bonus], 1).tolist()
         return {i: (a, b) for i, (a, b) in zip(idx, pairs, strict=True)}
 
-    def _accept_sampled(self, seqs: list[SeqInput], batch: ForwardBatch,
-                        logits: torch.Tensor) -> dict[int, tuple[int, int]]:
+    def _accept_sampled(self, seqs: list[SeqInput], batch: ForwardBatch, logits: torch.Tensor,
+                        errors: dict[int, str]) -> dict[int, tuple[int, int]]:
         """Rejection sampling of every sampled sequence at once on the device (each with its
-        own temperature/top-k/top-p, its uniforms from its own generator), one host sync."""
+        own temperature/top-k/top-p, its uniforms from its own generator), one host sync. A
+        sequence whose probabilities fail goes to `errors` and the rest go on as before."""
         idx = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not idx or len({len(seqs[i].token_ids) for i in idx}) != 1:
             return {}
         width, cu = len(seqs[idx[0]].token_ids), batch.cu_seqlens
-        probs = torch.stack([sampling.probs_from_logits(logits[cu[i] : cu[i] + width],
-                                                        seqs[i].params) for i in idx])
+        rows = []
+        for i in idx:
+            try:
+                rows.append(sampling.probs_from_logits(logits[cu[i] : cu[i] + width],
+                                                       seqs[i].params))
+            except Exception as e:
+                errors[i] = describe(e)
+        idx = [i for i in idx if i not in errors]
+        if not idx:
+            return {}
+        probs = torch.stack(rows)
         u = torch.stack([torch.rand(width, generator=self._generator(seqs[i])) for i in idx])
         drafts = torch.stack([batch.input_ids[cu[i] + 1 : cu[i] + width] for i in idx])
         n, token = sampling.accept_sampling_batch(drafts, probs, u.to(probs.device))
@@ -212,23 +237,29 @@ class ModelRunner:
 
         decided = self._accept_greedy(seqs, batch, logits,
                                       commit_early if captured is not None else None)
-        decided.update(self._accept_sampled(seqs, batch, logits))
+        errors: dict[int, str] = {}
+        decided.update(self._accept_sampled(seqs, batch, logits, errors))
         new_tokens, num_accepted, kept_rows = [], [], []
         for i, s in enumerate(seqs):
             block_logits = logits[cu[i] : cu[i + 1]]
             draft = batch.input_ids[cu[i] + 1 : cu[i + 1]]
-            if i in decided:
-                n, bonus = decided[i]
-            elif s.params.greedy:
-                n, bonus = sampling.accept_greedy(draft, block_logits)
-            else:
-                n, bonus = sampling.accept_sampling(draft, block_logits, s.params,
-                                                    self._generator(s))
-            new_tokens.append(s.token_ids[1 : n + 1] + [bonus])
+            n, bonus = decided.get(i, (0, None))
+            if i not in decided and i not in errors:
+                try:
+                    if s.params.greedy:
+                        n, bonus = sampling.accept_greedy(draft, block_logits)
+                    else:
+                        n, bonus = sampling.accept_sampling(draft, block_logits, s.params,
+                                                            self._generator(s))
+                except Exception as e:  # it fails alone
+                    errors[i] = describe(e)
+            # a failed sequence commits its anchor only and reports no tokens
+            new_tokens.append([] if i in errors else s.token_ids[1 : n + 1] + [bonus])
             num_accepted.append(n)
             kept_rows.append(torch.arange(cu[i], cu[i] + n + 1))
         if not committed_early:
             commit([n + 1 for n in num_accepted])
         rows = torch.cat(kept_rows).to(aux.device)
         committed = [n + 1 for n in num_accepted]
-        return StepOutput(new_tokens, num_accepted, committed, aux[rows], batch.positions[rows])
+        return StepOutput(new_tokens, num_accepted, committed, aux[rows], batch.positions[rows],
+                          errors)

@@ -105,6 +105,7 @@ def run_target_loop(worker) -> None:
             else:
                 out, res.verify_s = stepper.run(msg, drafts)
                 res.new_tokens, res.num_accepted = out.new_tokens, out.num_accepted
+                res.errors = out.errors
                 if results is not None and worker.aux_sender is not None \
                         and draft_writes_context(msg):
                     res.aux = worker.aux_sender.put(out.aux, out.aux_positions)

@@ -79,6 +79,16 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
 
+def backend_name(device: str, dtype: torch.dtype) -> str:
+    """What `attention_lse` runs on this device and dtype (reported at start-up)."""
+    if not device.startswith("cuda"):
+        return "prefill chunks: PyTorch's fused flash attention for CPU; rounds: masked SDPA"
+    kernel = "FlashAttention-2" if dtype in (torch.float16, torch.bfloat16) \
+        else "memory-efficient attention"
+    return (f"prefill chunks: PyTorch's {kernel} (CUDA); rounds: gathered pages "
+            f"(CUDA graphs)")
+
+
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention that never holds the score matrix, with its log-sum-exp: q [H, Lq, D], k, v

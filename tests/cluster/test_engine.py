@@ -213,3 +213,39 @@ def test_warm_up_chunks_a_prompt_runs_rounds_and_leaves_no_trace(demo_reference)
     assert eng.stats.rounds == 0 and eng.verify_time.count == 0
     assert len(eng.blocks.free_blocks) == eng.blocks.num_blocks and not eng.has_unfinished()
     assert [o.output_ids for o in eng.generate(prompts, params)] == want
+
+
+@pytest.mark.parametrize("phase", ["prefill", "round"])
+def test_a_request_whose_sampling_fails_fails_alone(monkeypatch, phase):
+    """A step that raises in one sequence's sampling (planted: temperature 0.77, in its first
+    token's sampling or, with the draft, in a verify round's) ends that request with finish
+    reason "error" and the reason; the others' outputs are what they are without it, and the
+    engine goes on serving with every page and slot back."""
+    from workers import sampling
+
+    real = sampling.probs_from_logits
+
+    def probs_from_logits(logits, params):
+        if params.temperature == 0.77 and (phase == "prefill" or logits.shape[0] > 1):
+            raise RuntimeError("planted sampling failure")
+        return real(logits, params)
+
+    prompts = make_prompts(4, 11)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.77, seed=6, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True)]
+    draft = (DEMO / "draft", 4) if phase == "round" else (None, None)
+    want = engine(DEMO / "target", *draft).generate(prompts, params)
+    monkeypatch.setattr(sampling, "probs_from_logits", probs_from_logits)
+    eng = engine(DEMO / "target", *draft)
+    free = len(eng.blocks.free_blocks)
+    got = eng.generate(prompts, params)
+    assert got[2].finish_reason == "error" and "planted sampling failure" in got[2].error
+    if phase == "prefill":
+        assert got[2].output_ids == []
+    for i in (0, 1, 3):
+        assert got[i].output_ids == want[i].output_ids and got[i].finish_reason == "length"
+    assert not eng.has_unfinished() and len(eng.blocks.free_blocks) == free
+    again = eng.generate([prompts[0]], params[0])[0]
+    assert again.output_ids == want[0].output_ids

@@ -217,3 +217,38 @@ def test_idle_loop_sleeps_and_shutdown_joins(client):
         await client.shutdown()  # idempotent
 
     asyncio.run(run())
+
+
+def test_a_request_failing_alone_raises_for_it_and_the_others_stream_on(client, monkeypatch):
+    """A step that failed in one request's sampling (planted: temperature 0.77) raises
+    EngineStepError naming it for that request only (HTTP 500 for it); the others' streams
+    finish with their usual tokens, and the engine is not restarted."""
+    from workers import sampling
+
+    real = sampling.probs_from_logits
+
+    def probs_from_logits(logits, params):
+        if params.temperature == 0.77:
+            raise RuntimeError("planted sampling failure")
+        return real(logits, params)
+
+    monkeypatch.setattr(sampling, "probs_from_logits", probs_from_logits)
+    ps = prompts(3, 4)
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [o.output_ids for o in make_engine(draft=False).generate(ps[:2], greedy)]
+    engine = client.engine
+
+    async def run():
+        async def poisoned():
+            with pytest.raises(EngineStepError, match="'bad' failed.*planted sampling failure"
+                                                      ".*not affected"):
+                await collect(client, "bad", ps[2], SamplingParams(max_tokens=20,
+                                                                   temperature=0.77))
+        outs = await asyncio.gather(collect(client, "a", ps[0], greedy), poisoned(),
+                                    collect(client, "b", ps[1], greedy))
+        return [outs[0], outs[2]]
+
+    outs = asyncio.run(run())
+    assert [o.output_ids for o in outs] == want
+    assert client.engine is engine and client.snapshot().running == 0
+    assert_idle(engine)

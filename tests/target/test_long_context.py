@@ -187,7 +187,8 @@ def test_a_prompt_in_chunks_ends_with_the_logits_of_one_piece(long_target, devic
         return model.compute_logits(hidden[-1:]).float()[0]
 
     whole, chunked = last_logits(len(prompt)), last_logits(1000)
-    torch.testing.assert_close(chunked, whole, atol=2e-4, rtol=2e-4)
+    tol = 2e-4 if device == "cpu" else 2e-3  # fla runs its fp32 dots in TF32
+    torch.testing.assert_close(chunked, whole, atol=tol, rtol=tol)
     assert int(chunked.argmax()) == int(whole.argmax())
 
 

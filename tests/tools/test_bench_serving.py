@@ -89,3 +89,17 @@ def test_failed_requests_are_counted_and_the_run_goes_on(base_url, tmp_path):
     assert (level["summary"]["errors"], level["summary"]["output_tokens"]) == (1, 11)
     (bad,) = [r for r in level["requests"] if r["error"]]
     assert "BadRequestError" in bad["error"] and "max_tokens" in bad["error"]
+
+
+def test_long_prompts_reports_each_length_and_the_servers_error(base_url, tmp_path):
+    """bench/long_prompts.py: token-id prompts of exact lengths, streamed; a prompt longer than
+    the context comes back as the server's 400, and the run goes on."""
+    from bench import long_prompts
+
+    out = tmp_path / "long.json"
+    long_prompts.main(["--base-url", base_url, "--lengths", "700", "5000", "300",
+                       "--max-tokens", "5", "--vocab", "384", "--out", str(out)])
+    ok, too_long, short = json.loads(out.read_text())["results"]
+    assert ok["status"] == 200 and ok["tokens"] >= 1 and ok["ttft_s"] <= ok["total_s"]
+    assert too_long["status"] == 400 and "context" in too_long["error"]
+    assert short["status"] == 200 and short["error"] is None
