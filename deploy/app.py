@@ -18,7 +18,7 @@ from ray.serve import Application
 from cluster.ray_executor import engine_bundles, separate_draft
 from configs.engine import EngineConfig
 from configs.model import TargetConfig
-from deploy.openai_api import build_app
+from deploy.openai_api import DEFAULT_MAX_REQUEST_BYTES, build_app
 from deploy.ray_client import RayEngineClient
 from deploy.tokenizer import load_tokenizer
 
@@ -54,6 +54,7 @@ class ServeArgs:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9  # share of each GPU for weights + activations + caches
     max_waiting: int | None = None  # requests queued for admission before 429; None → 4 × seqs
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies: 413
     enforce_eager: bool = False  # GPU: no CUDA graphs
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
     draft_placement: str = "colocated"  # "separate": the draft on a GPU of its own
@@ -74,6 +75,8 @@ class ServeArgs:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {k}")
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
     @classmethod
     def from_dict(cls, args: dict) -> ServeArgs:
@@ -137,7 +140,8 @@ class DFlashServer:
         self.tokenizer = load_tokenizer(cfg.model)
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.client, self.tokenizer, shutdown_client=True)
+        return build_app(self.client, self.tokenizer, shutdown_client=True,
+                         max_request_bytes=self.args.max_request_bytes)
 
     async def check_health(self) -> None:
         # Only a dead engine fails the replica: a restart after a worker death is the

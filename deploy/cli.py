@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 50000 on GPU hosts with 8+ cores, else 0)")
     s.add_argument("--max-waiting", type=int,
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
+    s.add_argument("--max-request-bytes", type=int, default=16 << 20,
+                   help="larger request bodies get 413 (default 16 MiB)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
     s.add_argument("--address", help="Ray cluster to join (e.g. auto); default: start one")
     return parser
@@ -172,6 +174,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         dtype=args.dtype, served_model_name=args.served_model_name,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         load_format=args.load_format, draft_placement=args.draft_placement,
         control_channel=args.control_channel, control_spin_us=args.control_spin_us)

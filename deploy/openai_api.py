@@ -143,22 +143,59 @@ def as_request_error(e: Exception) -> RequestError:
                         "internal_error", 500, "internal_server_error")
 
 
+# Request bodies above this many bytes are a 413 before they are read on (ServeArgs).
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+# A text prompt of more characters than the context × this cannot fit and is refused before
+# it is tokenized (tokenizing megabytes takes seconds).
+MAX_CHARS_PER_TOKEN = 64
+
+
 class OpenAIServer:
-    def __init__(self, client: EngineClient, tokenizer, metrics: ServingMetrics):
+    def __init__(self, client: EngineClient, tokenizer, metrics: ServingMetrics,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
+        self.max_request_bytes = max_request_bytes
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused with 413 once it is larger than max_request_bytes (by its
+        Content-Length before reading, else while reading)."""
+        limit = self.max_request_bytes
+        too_large = RequestError(f"the request body is larger than {limit} bytes (the "
+                                 f"server's max_request_bytes)", None, "request_too_large", 413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        context = self.client.max_model_len
+        if num_chars > context * MAX_CHARS_PER_TOKEN:
+            raise RequestError(
+                f"the prompt has {num_chars} characters; a context of {context} tokens holds "
+                f"far fewer; shorten the prompt", param, "context_length_exceeded")
 
     def error(self, endpoint: str, e: Exception) -> JSONResponse:
         err = as_request_error(e)
         self.metrics.observe_error(endpoint, err.status)
         return JSONResponse(err.body(), status_code=err.status)
 
-    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    async def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids; text is tokenized off the event loop (other streams and
+        /health go on meanwhile)."""
         if isinstance(req, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             self._need_tokenizer("messages")
+            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
             try:
-                ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+                ids = await asyncio.to_thread(
+                    self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                    tokenize=True, return_dict=False)
             except Exception as e:
                 raise RequestError(f"the chat template rejected the messages: {e}",
                                    "messages") from None
@@ -168,7 +205,9 @@ class OpenAIServer:
             ids = list(prompt)
         else:
             self._need_tokenizer("prompt")
-            ids = self.tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0])
+            text = prompt if isinstance(prompt, str) else prompt[0]
+            self._check_chars(len(text), "prompt")
+            ids = await asyncio.to_thread(self.tokenizer.encode, text)
         if not ids:
             raise RequestError("prompt is empty", "prompt")
         if any(not 0 <= t < self.client.vocab_size for t in ids):
@@ -207,13 +246,13 @@ class OpenAIServer:
         gen = None
         try:
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest,
-                                await request.body())
+                                await self._body(request))
             if req.model is not None and req.model != self.client.model_name:
                 raise RequestError(f"the model {req.model!r} does not exist; this server serves "
                                    f"{self.client.model_name!r}", "model", "model_not_found", 404)
             if req.stop_strings:
                 self._need_tokenizer("stop")
-            prompt_ids = self._prompt_ids(req)
+            prompt_ids = await self._prompt_ids(req)
             params = req.sampling_params(self._max_tokens(req, len(prompt_ids)))
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             gen = _Generation(self.client, request_id, prompt_ids, params,
@@ -300,7 +339,8 @@ class OpenAIServer:
                                      len(gen.token_ids), gen.timing, time.monotonic())
 
 
-def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False) -> FastAPI:
+def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The API over `client`; `tokenizer` is the target's (None: token-id prompts only).
     `shutdown_client`: the app owns the client and shuts it down when the app stops."""
 
@@ -312,7 +352,7 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False) ->
 
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServingMetrics(client.snapshot)
-    server = OpenAIServer(client, tokenizer, metrics)
+    server = OpenAIServer(client, tokenizer, metrics, max_request_bytes)
     app.state.metrics, app.state.server = metrics, server
 
     @app.exception_handler(StarletteHTTPException)

@@ -2,13 +2,15 @@
 
 Requests are parsed leniently where OpenAI's clients send extras (unknown fields are ignored)
 but strictly where silence would mislead: a feature we do not implement (logprobs, penalties,
-n > 1, tools, ...) is a 400 naming the field, never quietly dropped.
+n > 1, tools, vLLM's guided decoding, ...) is a 400 naming the field, never quietly dropped,
+and a value of the wrong JSON type is a 400, never coerced ("16" is not a max_tokens).
 Extensions (vLLM's names): `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any, Literal
 
@@ -42,17 +44,27 @@ class RequestError(Exception):
 
 # ---- requests --------------------------------------------------------------------------------
 
-# Fields OpenAI defines that we do not implement → 400 unless neutral (absent/null/false/0/{}).
+# Fields OpenAI (or vLLM, as extensions) defines that we do not implement → 400 unless
+# neutral: absent, null, false, 0, {}, [] (NEUTRAL), or the field's own no-op value.
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
-               "frequency_penalty", "tools", "functions", "audio", "prediction")
+               "frequency_penalty", "tools", "functions", "audio", "prediction",
+               # vLLM's extensions
+               "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "guided_decoding_backend", "structured_outputs", "repetition_penalty", "min_p",
+               "min_tokens", "chat_template_kwargs", "use_beam_search", "length_penalty",
+               "prompt_logprobs", "allowed_token_ids", "bad_words", "logits_processors")
+NEUTRAL = (None, False, 0, {}, [])
+NO_OP = {"repetition_penalty": 1, "length_penalty": 1}
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None  # None → the served model
     temperature: float | None = Field(None, allow_inf_nan=False)  # None → DEFAULT_TEMPERATURE
@@ -75,7 +87,7 @@ class _SamplingRequest(BaseModel):
             raise RequestError(f"only best_of=1 is supported, got {self.best_of}", "best_of")
         for name in UNSUPPORTED:
             value = (self.model_extra or {}).get(name)
-            if value not in (None, False, 0, {}, []):
+            if value not in NEUTRAL and not (name in NO_OP and value == NO_OP[name]):
                 raise RequestError(f"{name} is not supported by this server", name)
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got "
@@ -121,14 +133,14 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal[ROLES]
     content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
@@ -158,20 +170,41 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_tokens
 
 
+# A JSON escape of a UTF-16 surrogate (\ud800-\udfff): only then can a string hold a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _union_tag(part: str | int) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
+                                      or "[" in part or part.startswith("function-"))
+
+
 def parse_request(model: type[BaseModel], raw: bytes) -> Any:
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") \
             from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply", code="invalid_json") \
+            from None
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:  # a pair is one character; a lone surrogate cannot be encoded (nor tokenized)
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("the request holds a lone UTF-16 surrogate (\\ud800-\\udfff "
+                               "without its pair): not valid Unicode text",
+                               code="invalid_json") from None
     try:
         req = model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise RequestError(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+        # the field's path without a union's member tags (str, list[int], function-…)
+        path = ".".join(str(p) for p in err["loc"] if not _union_tag(p))
+        param = path or None
+        raise RequestError(f"{path}: {err['msg']}" if path else err["msg"], param) from None
     req.check()
     return req
 

@@ -15,6 +15,7 @@ from live_server import scrape_metrics, serve_in_thread, wait_until_idle
 
 from cluster.engine import LLMEngine
 from configs.engine import EngineConfig, SamplingParams
+from deploy import openai_api
 from deploy.detokenizer import TextStream
 from deploy.engine_client import EngineDeadError, LocalEngineClient
 from deploy.openai_api import build_app
@@ -278,6 +279,23 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
     ({"model": MODEL, "prompt": ""}, 400, "prompt", None),
     ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
     ({"model": MODEL}, 400, "prompt", None),
+    # wrong JSON types are refused, never coerced
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "16"}, 400, "max_tokens", None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, "max_tokens", None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 16.5}, 400, "max_tokens", None),
+    ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream", None),
+    ({"model": MODEL, "prompt": "hi", "seed": "7"}, 400, "seed", None),
+    ({"model": MODEL, "prompt": [1.5, 2]}, 400, "prompt", None),
+    ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": "yes"},
+      "stream": True}, 400, "stream_options.include_usage", None),
+    # vLLM's extensions we do not implement
+    ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json",
+     None),
+    ({"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "a+"}}, 400,
+     "structured_outputs", None),
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 1.3}, 400, "repetition_penalty",
+     None),
+    ({"model": MODEL, "prompt": "hi", "min_p": 0.1}, 400, "min_p", None),
 ]
 BAD_CHATS = [
     ({"model": MODEL}, 400, "messages", None),
@@ -285,6 +303,12 @@ BAD_CHATS = [
     ({"model": MODEL, "messages": [{"content": "no role"}]}, 400, "messages.0.role", None),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
       "max_completion_tokens": 0}, 400, "max_completion_tokens", None),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role",
+     None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content",
+     None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "chat_template_kwargs": {"enable_thinking": False}}, 400, "chat_template_kwargs", None),
 ]
 
 
@@ -303,6 +327,18 @@ def test_bad_inputs_return_openai_errors_and_the_server_keeps_serving(server, oa
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     assert httpx.post(url + "/v1/completions", json=[1, 2]).status_code == 400
+    for path, raw in (  # a lone surrogate; a body nested 100,000 levels deep
+            ("/v1/completions", b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode()),
+            ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", '
+                                     b'"content": "a\\udfffb"}]}' % MODEL.encode()),
+            ("/v1/completions", b'{"a": ' * 100_000 + b"1" + b"}" * 100_000),
+            ("/v1/completions", b"[" * 100_000 + b"]" * 100_000)):
+        r = httpx.post(url + path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    pair = b'{"model": "%s", "prompt": "a\\ud83d\\ude00b", "max_tokens": 2}' % MODEL.encode()
+    r = httpx.post(url + "/v1/completions", content=pair,  # a pair is one character: fine
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
     r = httpx.get(url + "/v1/nowhere")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     errors = metrics(server)
@@ -357,3 +393,30 @@ def test_metrics_report_latency_and_acceptance(server, oai):
     # one propose and one verify per batched round (rounds above count per sequence)
     drafts = m[("dflash_draft_time_per_round_seconds_count", ())]
     assert 0 < drafts == m[("dflash_verify_time_per_round_seconds_count", ())] <= rounds
+
+
+def test_oversized_requests_are_refused_before_they_are_read_or_tokenized(server, oai):
+    """A body over max_request_bytes is a 413 (by its Content-Length, or while it streams in
+    without one); a text prompt that cannot fit the context is a 400 before tokenizing."""
+    url = server["url"] + "/v1/completions"
+    big = b'{"model": "%s", "prompt": "' % MODEL.encode() + b"a" * 20_000_000 + b'"}'
+    r = httpx.post(url, content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: refused once the bytes read pass the limit
+        for _ in range(20):
+            yield b" " * 1_000_000
+
+    r = httpx.post(url, content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    server_obj = server["server"]
+    limit = server_obj.client.max_model_len * openai_api.MAX_CHARS_PER_TOKEN
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": "a" * (limit + 1)}),
+                       ("/v1/chat/completions", {"model": MODEL, "messages": [
+                           {"role": "user", "content": "a" * (limit // 2 + 1)},
+                           {"role": "user", "content": "a" * (limit // 2 + 1)}]})):
+        r = httpx.post(server["url"] + path, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = oai.completions.create(model=MODEL, prompt="still serving", max_tokens=3)
+    assert r.usage.completion_tokens >= 1
