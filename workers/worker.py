@@ -11,6 +11,7 @@ without Ray (tp 1)."""
 
 from __future__ import annotations
 
+import datetime
 import socket
 import time
 
@@ -35,6 +36,10 @@ from workers.step_loop import StepLoopEnds, run_target_loop
 AUX_RING_SLOTS = 3
 
 
+# The TP group's rendezvous: how long ranks wait for each other at start-up.
+STORE_TIMEOUT_S = 600
+
+
 class TargetWorker(StepLoopEnds):
     def __init__(self, cfg: EngineConfig, aux_layer_ids: tuple[int, ...], rank: int, tp: int,
                  aux_ring_rows: int = 0):
@@ -53,19 +58,28 @@ class TargetWorker(StepLoopEnds):
         self.runner: ModelRunner | None = None
 
     def address(self) -> tuple[str, int]:
-        """Rank 0's node IP and a free port for the process-group rendezvous."""
+        """Rank 0: the process-group rendezvous's address, its node IP and a port listening on
+        that IP only (not every interface); the store takes the socket over in init_model."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        host = ray.util.get_node_ip_address()
+        self._store_socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._store_socket.bind((host, 0))
+        self._store_socket.listen()
+        return host, self._store_socket.getsockname()[1]
 
     def init_model(self, master_addr: str | None = None, master_port: int | None = None) -> int:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.tp > 1:
-            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=self.rank, world_size=self.tp)
+            timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+            if self.rank == 0:  # serves the store on the socket address() bound
+                store = dist.TCPStore(master_addr, master_port, self.tp, True, timeout=timeout,
+                                      wait_for_workers=False,
+                                      master_listen_fd=self._store_socket.fileno())
+            else:
+                store = dist.TCPStore(master_addr, master_port, self.tp, False, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.tp,
+                                    timeout=timeout)
         group = TPGroup(rank=self.rank, size=self.tp)
         self.model = load_target(self.cfg.model, tp=group, dtype=self.cfg.torch_dtype,
                                  device=self.device, load_format=self.cfg.load_format)

@@ -145,3 +145,17 @@ def test_wait_all_raises_a_failure_at_once_and_a_hang_after_the_timeout(ray_clus
         wait_all([slow], timeout_s=1, what="verify")
     ray.cancel(slow, force=True)
     assert wait_all([blocked.remote(0), blocked.remote(0)], 30, "ok") == [1, 1]
+
+
+def test_the_rendezvous_listens_on_the_address_it_advertises_only(tiny_demo):
+    """Rank 0's TCP store socket is bound to the node IP the other ranks are told, not to
+    every interface."""
+    from workers.worker import TargetWorker
+
+    worker = TargetWorker(EngineConfig(model=str(tiny_demo[0])), (), rank=0, tp=2)
+    host, port = worker.address()
+    try:
+        assert worker._store_socket.getsockname()[:2] == (host, port)
+        assert host not in ("0.0.0.0", "::", "")
+    finally:
+        worker._store_socket.close()
