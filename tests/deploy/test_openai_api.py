@@ -420,3 +420,34 @@ def test_oversized_requests_are_refused_before_they_are_read_or_tokenized(server
         assert r.json()["error"]["code"] == "context_length_exceeded"
     r = oai.completions.create(model=MODEL, prompt="still serving", max_tokens=3)
     assert r.usage.completion_tokens >= 1
+
+
+RAY_TEXTS = [  # what Ray and CUDA put in an engine error's text
+    "engine step failed: ActorDied: rank 0: OutOfMemoryError: CUDA out of memory. Tried to "
+    "allocate 12.00 GiB. Process 48213 has 138 GiB memory in use.\nTo see more information "
+    "about memory usage on this node, use `ray logs raylet.out -ip 10.0.3.17`",
+    "engine step failed: RayTaskError(RuntimeError): ray::TargetWorker.serve_steps() "
+    "(pid=7711, ip=10.0.3.17, actor_id=1b2c3d4e5f60718293a4b5c6d7e8f901, repr=<TargetWorker "
+    "object at 0x7f3a2b1c0d9e>) namespace=serve-abc",
+    "the engine driver died: class_name: EngineDriver actor_id: 0123456789abcdef01234567 "
+    "pid: 1234 namespace: serve ip: 192.168.1.5 [fe80::1]:6379",
+]
+
+
+@pytest.mark.parametrize("text", RAY_TEXTS)
+def test_engine_errors_reach_clients_without_addresses_pids_or_ray_ids(server, monkeypatch,
+                                                                       text):
+    from deploy.engine_client import EngineStepError
+
+    def failing(req):
+        raise EngineStepError(text)
+
+    monkeypatch.setattr(server["server"], "_prompt_ids", failing)
+    r = httpx.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_step_failed"
+    message = r.json()["error"]["message"]
+    for private in ("10.0.3.17", "192.168.1.5", "fe80::1", "48213", "7711", "1234",
+                    "1b2c3d4e5f60718293a4b5c6d7e8f901", "0123456789abcdef01234567",
+                    "0x7f3a2b1c0d9e", "serve-abc", "raylet", "\n"):
+        assert private not in message, (private, message)
+    assert message.startswith(text.split(":")[0])  # what failed is still said
