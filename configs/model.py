@@ -137,7 +137,10 @@ class TargetConfig:
                 f"{model_dir}: architecture {archs} is not supported as a target; "
                 f"expected one of {TARGET_ARCHITECTURES}"
             )
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except (TypeError, ValueError) as e:  # a field of the wrong type or value
+            raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
 
 
 def check_layer_types(layer_types: tuple[str, ...], num_layers: int,
@@ -153,6 +156,9 @@ def check_layer_types(layer_types: tuple[str, ...], num_layers: int,
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
+    if Path(model_dir).is_file():
+        raise ValueError(f"{model_dir} is a file; a model is a directory (config.json and "
+                         f"the weights)")
     if not Path(model_dir).is_dir():
         raise ValueError(f"model directory {model_dir} does not exist")
     if not path.is_file():
@@ -163,7 +169,11 @@ def read_config_json(model_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
-def _req(d: dict[str, Any], key: str) -> Any:
+def _req(d: dict[str, Any], key: str) -> int:
+    """A required size: a positive integer (JSON true is not one)."""
     if key not in d:
         raise ValueError(f"config.json lacks the field {key!r}")
-    return d[key]
+    value = d[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return value

@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 def generate(args: argparse.Namespace) -> dict:
     from cluster.engine import LLMEngine
     from configs.engine import EngineConfig, SamplingParams
+    from configs.model import TargetConfig
     from deploy.tokenizer import load_tokenizer
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -100,6 +101,7 @@ def generate(args: argparse.Namespace) -> dict:
                             ignore_eos=args.ignore_eos)
     cfg = EngineConfig(model=args.model, draft_model=args.draft_model, block_size=args.block_size,
                        device=args.device, dtype=args.dtype, max_num_seqs=1)
+    target = TargetConfig.from_pretrained(args.model)  # a ValueError naming the file, first
     tokenizer = load_tokenizer(args.model)
     if args.prompt is not None:
         if tokenizer is None:
@@ -112,6 +114,11 @@ def generate(args: argparse.Namespace) -> dict:
             prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     else:
         prompt_ids = args.prompt_ids
+    if len(prompt_ids) + args.max_tokens > target.max_position_embeddings:
+        raise ValueError(
+            f"the context holds {target.max_position_embeddings} tokens; the prompt has "
+            f"{len(prompt_ids)} and --max-tokens asks for {args.max_tokens} more; lower "
+            f"--max-tokens")
     cluster = None
     if args.tp > 1 or args.address:
         import ray

@@ -10,4 +10,7 @@ def load_tokenizer(model_dir: str):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(d))
+    try:
+        return AutoTokenizer.from_pretrained(str(d))
+    except (OSError, ValueError, TypeError) as e:  # corrupt or inconsistent tokenizer files
+        raise ValueError(f"{d}: the tokenizer cannot be loaded ({e})") from None

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -28,6 +27,7 @@ from draft.attention import (
 )
 from draft.config import DraftConfig
 from target import dummy
+from target.weights import read_safetensors
 
 KVCache = list[tuple[Tensor, Tensor]]  # per draft layer (k_cache, v_cache)
 
@@ -158,7 +158,7 @@ class DFlashDraftModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for file in _safetensors_files(Path(model_dir)):
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with read_safetensors(file) as f:
                 for name in f.keys():
                     param = params.get(name)
                     if param is None:

@@ -14,7 +14,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from configs.engine import check_load_format
 from configs.model import TargetConfig
@@ -23,7 +22,7 @@ from target.distributed import SINGLE, TPGroup
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.layers.gdn import IN_PROJ_PARTS
 from target.model import Qwen3_5MoeForCausalLM
-from target.weights import SafetensorsSource, WeightSource
+from target.weights import SafetensorsSource, WeightSource, read_safetensors
 
 SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -87,7 +86,7 @@ def load_weights(model: Qwen3_5MoeForCausalLM, model_dir: str | Path) -> None:
     loaded: dict[str, set] = {}
     with ExitStack() as stack:
         for path in checkpoint_files(model_dir):
-            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            handle = stack.enter_context(read_safetensors(path))
             for key in handle.keys():
                 target = param_target(key)
                 if target is None:
@@ -172,7 +171,7 @@ def load_embedding_and_head(
     done = set()
     with ExitStack() as stack:
         for path in checkpoint_files(model_dir):
-            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            handle = stack.enter_context(read_safetensors(path))
             for key in handle.keys():
                 target = param_target(key)
                 if target is None or target[0] not in wanted:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 
 class WeightSource(Protocol):
@@ -58,3 +62,15 @@ def copy_into(dst: torch.Tensor, value: torch.Tensor, src: WeightSource) -> None
             f"parameter shape {list(dst.shape)}"
         )
     dst.copy_(value.to(dst.dtype))
+
+
+@contextmanager
+def read_safetensors(path: str | Path, device: str = "cpu") -> Iterator:
+    """safe_open(path), its failures (a truncated, zeroed or otherwise corrupt file, at the
+    open or at a read) as a ValueError naming the file."""
+    try:
+        with safe_open(str(path), framework="pt", device=device) as handle:
+            yield handle
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e}); the checkpoint is "
+                         f"incomplete or corrupt") from None

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,58 @@ def test_serve_runs_until_sigterm_and_generate_tp2_equals_tp1():
     ref = LLMEngine(EngineConfig(model=str(DEMO / "target"))).generate(
         [[72, 101, 108, 108, 111]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert got["token_ids"] == ref.output_ids
+
+
+def _broken_copy(tmp_path, name: str, src: Path, edit) -> Path:
+    out = tmp_path / name
+    shutil.copytree(src, out)
+    edit(out)
+    return out
+
+
+def _set_config(field: str, value):
+    def edit(d: Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.get("text_config", cfg)[field] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def _damage_weights(how: str):
+    def edit(d: Path) -> None:
+        for f in sorted(d.glob("*.safetensors")):
+            data = f.read_bytes()
+            f.write_bytes(data[: len(data) // 2] if how == "truncate" else bytes(len(data)))
+    return edit
+
+
+@pytest.mark.parametrize(("which", "edit", "says"), [
+    ("target", lambda d: (d / "config.json").write_text("{not json"), "config.json"),
+    ("target", _set_config("hidden_size", "abc"), "hidden_size"),
+    ("target", _set_config("num_hidden_layers", -3), "num_hidden_layers"),
+    ("target", _damage_weights("truncate"), ".safetensors"),
+    ("target", _damage_weights("zero"), ".safetensors"),
+    ("draft", _damage_weights("truncate"), ".safetensors"),
+    ("draft", _damage_weights("zero"), ".safetensors"),
+])
+def test_broken_checkpoints_exit_2_naming_what_is_wrong(capsys, tmp_path, which, edit, says):
+    target, draft = DEMO / "target", DEMO / "draft"
+    if which == "target":
+        target = _broken_copy(tmp_path, "target", target, edit)
+    else:
+        draft = _broken_copy(tmp_path, "draft", draft, edit)
+    argv = ["generate", "--model", str(target), "--draft-model", str(draft), "--prompt-ids",
+            "1,2,3", "--max-tokens", "4"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-serve: error: ") and says in err, err
+    assert str(tmp_path) in err  # the file or directory at fault is named
+
+
+def test_generate_refuses_what_cannot_fit_and_a_model_that_is_a_file(capsys, tmp_path):
+    assert main(["generate", "--model", str(DEMO / "target"), "--prompt-ids", "1,2",
+                 "--max-tokens", "100000"]) == 2
+    assert "--max-tokens" in capsys.readouterr().err
+    weights = next((DEMO / "target").glob("*.safetensors"))
+    assert main(["generate", "--model", str(weights), "--prompt", "hi"]) == 2
+    assert "is a file" in capsys.readouterr().err
