@@ -42,6 +42,11 @@ class _Request:
     timing: RequestTiming | None
     waiting: bool = True  # counted in _num_waiting until its first output (or its end)
     last: RequestOutput | None = None
+    # What it was submitted with, to run it again on a restarted engine if the failure came
+    # before it streamed anything (once: `retried`).
+    prompt_ids: list[int] | None = None
+    params: SamplingParams | None = None
+    retried: bool = False
 
 
 @dataclass
@@ -134,7 +139,8 @@ class LocalEngineClient:
                     f"{self._num_waiting} requests are already waiting; retry later")
             self._num_waiting += 1
             self._inbox.put(_Add(request_id, list(prompt_ids), params,
-                                 _Request(request_id, deliver, timing)))
+                                 _Request(request_id, deliver, timing,
+                                          prompt_ids=list(prompt_ids), params=params)))
 
     def cancel(self, request_id: str, done: Callable[[], None] | None = None) -> None:
         """Drops the request (its last output says finish_reason "abort"); `done` runs on the
@@ -379,16 +385,31 @@ class LocalEngineClient:
         self._fail_and_recover(error, f"engine step failed: {type(error).__name__}: {error}")
 
     def _fail_and_recover(self, error: Exception, msg: str) -> None:
+        """Fails the requests in flight; with `recover`, restarts the engine and runs the
+        requests that had streamed nothing yet again on it (each once: a request that fails
+        the engine twice fails), as requests arriving during the restart are."""
+        again = []
         for request_id, req in list(self._requests.items()):
             if self.recover is None:  # a restart drops the engine's state wholesale
                 self._engine_abort(request_id)
+            elif req.last is None and not req.retried and req.prompt_ids is not None:
+                again.append(req)
+                continue
             self._end(req, EngineStepError(msg))
         self._requests.clear()
         if self.recover is not None:
             self._unhealthy = f"restarting the engine after: {msg}"
             self._publish()
-            self.engine = self.recover(error)  # raising here kills the loop: _run fails all
+            try:
+                self.engine = self.recover(error)  # raising here kills the loop: _run fails all
+            except BaseException:
+                for req in again:
+                    self._end(req, EngineStepError(msg))
+                raise
             self._unhealthy = None
+            for req in again:
+                req.retried = True
+                self._add(_Add(req.request_id, req.prompt_ids, req.params, req))
 
     def _fail_all(self, error) -> None:
         for req in self._requests.values():

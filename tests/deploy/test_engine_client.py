@@ -252,3 +252,53 @@ def test_a_request_failing_alone_raises_for_it_and_the_others_stream_on(client, 
     assert [o.output_ids for o in outs] == want
     assert client.engine is engine and client.snapshot().running == 0
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_a_restart_runs_requests_that_streamed_nothing_again_once(poison):
+    """With a restarting engine (as under Ray): a failed step fails the requests that have
+    streamed tokens, and runs the ones that have not again on the restarted engine, as if they
+    had arrived during the restart; a request that fails the restarted engine too fails."""
+    faults = {"prefill": 0}
+
+    def faulty(engine: LLMEngine) -> LLMEngine:
+        runner = engine.executor.runner
+        real_prefill = runner.prefill
+
+        def prefill(seqs):
+            if any(len(s.token_ids) == 7 for s in seqs) and (poison or faults["prefill"] == 0):
+                faults["prefill"] += 1  # the 7-token prompt's prefill fails
+                raise RuntimeError("injected fault")
+            return real_prefill(seqs)
+
+        runner.prefill = prefill
+        return engine
+
+    restarts = []
+
+    def recover(error: Exception) -> LLMEngine:
+        restarts.append(str(error))
+        return faulty(make_engine())
+
+    client = LocalEngineClient(faulty(make_engine()), "tiny", recover=recover)
+    streaming = prompts(1, 9)[0]
+    late = [11, 12, 13, 14, 15, 16, 17]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    try:
+        async def run():
+            gen = client.generate("streaming", streaming, params)
+            await anext(gen)  # it has streamed a token when the fault comes
+            late_task = asyncio.ensure_future(collect(client, "late", late, params))
+            with pytest.raises(EngineStepError, match="injected fault"):
+                async for _ in gen:
+                    pass
+            return await asyncio.gather(late_task, return_exceptions=True)
+
+        (late_out,) = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    finally:
+        client.close()
+    if poison:  # it failed the restarted engine too: it fails, and is not run a third time
+        assert isinstance(late_out, EngineStepError) and len(restarts) == 2
+    else:
+        want = make_engine(draft=False).generate([late], params)[0].output_ids
+        assert late_out.output_ids == want and len(restarts) == 1
