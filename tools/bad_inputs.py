@@ -1,0 +1,130 @@
+"""Bad input against a running server: every request in the catalogue must come back as a 4xx
+with OpenAI's error JSON, never a 5xx, and the server must still serve afterwards.
+
+    python -m tools.bad_inputs --base-url http://127.0.0.1:8000 [--out result.json]
+
+Exits 1 if any answer is not a 4xx with an error body, or if a good request fails after them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import httpx2 as httpx
+
+JSON = {"content-type": "application/json"}
+
+
+def catalogue(model: str) -> list[tuple[str, str, bytes]]:
+    """(name, path, raw body): the body as bytes, so malformed JSON can be sent too."""
+    def body(obj: object) -> bytes:
+        return json.dumps(obj).encode()
+
+    comp, chat = "/v1/completions", "/v1/chat/completions"
+    m = model.encode()
+    cases = [
+        ("not JSON", comp, b'{"model": '),
+        ("JSON array", comp, b"[1, 2]"),
+        ("nested 100,000 deep", comp, b'{"a": ' * 100_000 + b"1" + b"}" * 100_000),
+        ("array nested 100,000 deep", comp, b"[" * 100_000 + b"]" * 100_000),
+        ("lone surrogate, completions", comp,
+         b'{"model": "%s", "prompt": "a\\ud800b"}' % m),
+        ("lone surrogate, chat", chat,
+         b'{"model": "%s", "messages": [{"role": "user", "content": "a\\udfffb"}]}' % m),
+        ("invalid UTF-8", comp, b'{"model": "%s", "prompt": "\xff\xfe"}' % m),
+        ("20 MB body", comp, b'{"model": "%s", "prompt": "' % m + b"a" * 20_000_000 + b'"}'),
+    ]
+    fields = [
+        ("max_tokens as a string", {"max_tokens": "16"}),
+        ("max_tokens true", {"max_tokens": True}),
+        ("max_tokens 0", {"max_tokens": 0}),
+        ("max_tokens -3", {"max_tokens": -3}),
+        ("max_tokens beyond the context", {"max_tokens": 10**9}),
+        ("stream as a string", {"stream": "yes"}),
+        ("temperature negative", {"temperature": -1}),
+        ("temperature a string", {"temperature": "hot"}),
+        ("top_p 0", {"top_p": 0}),
+        ("top_k -5", {"top_k": -5}),
+        ("seed out of range", {"seed": 2**64}),
+        ("n 2", {"n": 2}),
+        ("logprobs", {"logprobs": 2}),
+        ("five stop strings", {"stop": ["a", "b", "c", "d", "e"]}),
+        ("an empty stop string", {"stop": [""]}),
+        ("guided_json", {"guided_json": {"type": "object"}}),
+        ("structured_outputs", {"structured_outputs": {"regex": "a+"}}),
+        ("repetition_penalty", {"repetition_penalty": 1.3}),
+        ("min_p", {"min_p": 0.1}),
+        ("stream_options without stream", {"stream_options": {"include_usage": True}}),
+        ("unknown model", {"model": "gpt-4"}),
+    ]
+    for name, extra in fields:
+        cases.append((name, comp, body({"model": model, "prompt": "hi"} | extra)))
+    prompts = [
+        ("empty prompt", ""),
+        ("token id out of the vocabulary", [10**9]),
+        ("token ids as floats", [1.5, 2]),
+        ("two prompts", ["a", "b"]),
+        ("prompt beyond the context", [5] * 10**6),
+    ]
+    for name, prompt in prompts:
+        cases.append((name, comp, body({"model": model, "prompt": prompt})))
+    messages = [
+        ("no messages", []),
+        ("a message without role", [{"content": "x"}]),
+        ("role wizard", [{"role": "wizard", "content": "x"}]),
+        ("content a number", [{"role": "user", "content": 5}]),
+        ("an image part", [{"role": "user", "content": [{"type": "image_url",
+                                                          "image_url": {"url": "x"}}]}]),
+    ]
+    for name, msgs in messages:
+        cases.append((name, chat, body({"model": model, "messages": msgs})))
+    cases.append(("chat_template_kwargs", chat, body({
+        "model": model, "messages": [{"role": "user", "content": "x"}],
+        "chat_template_kwargs": {"enable_thinking": False}})))
+    cases.append(("response_format json", chat, body({
+        "model": model, "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_object"}})))
+    return cases
+
+
+def run(base_url: str, timeout: float = 60.0) -> dict:
+    with httpx.Client(timeout=timeout) as client:
+        model = client.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+        results = []
+        for name, path, raw in catalogue(model):
+            r = client.post(base_url + path, content=raw, headers=JSON)
+            try:
+                err = r.json().get("error") or {}
+            except ValueError:
+                err = {}
+            ok = 400 <= r.status_code < 500 and bool(err.get("message")) and "type" in err
+            results.append({"name": name, "status": r.status_code, "code": err.get("code"),
+                            "param": err.get("param"), "ok": ok})
+        good = client.post(f"{base_url}/v1/completions", headers=JSON, content=json.dumps(
+            {"model": model, "prompt": "still serving", "max_tokens": 2}).encode())
+    return {"tried": len(results), "answered_4xx": sum(r["ok"] for r in results),
+            "answered_5xx": sum(r["status"] >= 500 for r in results),
+            "serving_after": good.status_code == 200, "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    report = run(args.base_url)
+    for r in report["results"]:
+        mark = "ok " if r["ok"] else "BAD"
+        print(f"{mark} {r['status']} {r['code'] or '-':28s} {r['name']}")
+    print(f"{report['answered_4xx']}/{report['tried']} answered 4xx with an OpenAI error, "
+          f"{report['answered_5xx']} 5xx; serving afterwards: {report['serving_after']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0 if report["answered_4xx"] == report["tried"] and report["serving_after"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
