@@ -13,6 +13,35 @@ ASSETS = Path(__file__).parent / "assets"
 # The tiny models are far faster on one thread than on two fighting over a 2-core machine.
 torch.set_num_threads(1)
 
+# Shared-memory names the project creates: Python's SharedMemory segments (the aux ring, its
+# release counter, the control channel) and the channel's FIFO directories.
+SHM_DIR, SHM_PREFIXES = Path("/dev/shm"), ("psm_", "dflash-")
+
+
+def shm_names() -> set[str]:
+    if not SHM_DIR.is_dir():
+        return set()
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(SHM_PREFIXES)}
+
+
+def pytest_sessionstart(session):
+    session.config.stash[SHM_KEY] = shm_names()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run that leaves shared-memory names behind fails: every engine start, restart, kill
+    and shutdown in the suite must unlink what it created."""
+    leaked = shm_names() - session.config.stash.get(SHM_KEY, set())
+    if leaked:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"FAILED: the run left {len(leaked)} names in {SHM_DIR}: "
+                                f"{sorted(leaked)[:8]}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+SHM_KEY = pytest.StashKey[set]()
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
