@@ -167,8 +167,6 @@ class LocalEngineClient:
                     done = True
                     raise item
                 done = item.finished
-                if item.finish_reason == "error":
-                    raise request_failed(request_id, item.error)
                 yield item
         finally:
             if not done:  # the consumer left early (disconnect, stop string, cancellation)
@@ -362,7 +360,10 @@ class LocalEngineClient:
                     req.timing.finished = now
             req.last = out
             self._left_waiting(req)
-            if not req.deliver(out) and not out.finished:
+            # a request that failed alone in the step (finish reason "error") gets its error
+            item = request_failed(out.request_id, out.error) if out.finish_reason == "error" \
+                else out
+            if not req.deliver(item) and not out.finished:
                 self._requests.pop(out.request_id, None)  # nobody listens: stop its work
                 self._engine_abort(out.request_id)
         if pending and self.after_step is not None:

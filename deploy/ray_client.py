@@ -30,7 +30,6 @@ from cluster.engine_types import (
     EngineSnapshot,
     EngineStepError,
     RequestTiming,
-    request_failed,
 )
 from cluster.ray_executor import (
     DEFAULT_STEP_TIMEOUT_S,
@@ -145,8 +144,6 @@ class RayEngineClient:
                     if item.finished:
                         timing.finished = now
                 done = item.finished
-                if item.finish_reason == "error":
-                    raise request_failed(request_id, item.error)
                 yield item
         finally:
             del self._queues[request_id]
