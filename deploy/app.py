@@ -18,7 +18,8 @@ from ray.serve import Application
 from cluster.ray_executor import engine_bundles, separate_draft
 from configs.engine import EngineConfig
 from configs.model import TargetConfig
-from deploy.openai_api import DEFAULT_MAX_REQUEST_BYTES, build_app
+from deploy.openai_api import build_app
+from deploy.protocol import DEFAULT_MAX_REQUEST_BYTES
 from deploy.ray_client import RayEngineClient
 from deploy.tokenizer import load_tokenizer
 

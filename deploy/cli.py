@@ -9,6 +9,7 @@ import sys
 import time
 
 from configs.logs import setup_logging
+from deploy.protocol import DEFAULT_MAX_REQUEST_BYTES
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 50000 on GPU hosts with 8+ cores, else 0)")
     s.add_argument("--max-waiting", type=int,
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
-    s.add_argument("--max-request-bytes", type=int, default=16 << 20,
+    s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413 (default 16 MiB)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
     s.add_argument("--address", help="Ray cluster to join (e.g. auto); default: start one")

@@ -35,6 +35,7 @@ from deploy.engine_client import (
 )
 from deploy.metrics import ServingMetrics
 from deploy.protocol import (
+    DEFAULT_MAX_REQUEST_BYTES,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -171,8 +172,6 @@ def as_request_error(e: Exception) -> RequestError:
                         None, "internal_error", 500, "internal_server_error")
 
 
-# Request bodies above this many bytes are a 413 before they are read on (ServeArgs).
-DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 # A text prompt of more characters than the context × this cannot fit and is refused before
 # it is tokenized (tokenizing megabytes takes seconds).
 MAX_CHARS_PER_TOKEN = 64

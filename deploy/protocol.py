@@ -22,6 +22,8 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature 0 for greedy dec
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (1/T would overflow the logits)
 MAX_STOP_STRINGS = 4
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Request bodies above this many bytes are a 413 before they are read on (ServeArgs, CLI).
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 
 def _absent(v: Any) -> bool:
