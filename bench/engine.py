@@ -31,16 +31,14 @@ import torch
 
 from bench.engine_overhead import engine_overhead_ms
 from bench.floors import cache_bytes, measure_bandwidth, record_routing, sync, weight_bytes
-from bench.random_model import build_draft, build_target, transformers_twin
+from bench.random_model import build_draft, build_target, set_attention, transformers_twin
 from bench.timing import sample_times
 from cluster.engine import EnginePlan
 from cluster.executor import LocalExecutor
 from configs.engine import SamplingParams
 from configs.presets import draft_preset, target_preset
-from draft.model import DraftAttention
 from draft.proposer import DraftRunner
 from target.kernels import fused
-from target.layers.attention import GatedAttention
 from target.layers.gdn import GatedDeltaNet
 from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from target.layers.moe import FusedExperts, SparseMoE
@@ -276,10 +274,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip transformers")
     p.add_argument("--out", help="write the JSON here (rewritten after each batch size)")
     # Kernel choices, to measure each fast path against the reference in the same build.
-    p.add_argument("--attention", choices=["reference", "gathered", "flex"], default="reference",
-                   help="eager uniform rounds (captured ones use gathered)")
-    p.add_argument("--draft-attention", choices=["reference", "flex"], default="reference",
-                   help="draft blocks through FlexAttention over the paged cache")
+    p.add_argument("--attention", choices=["auto", "triton", "torch"], default="auto",
+                   help="decode, rounds and draft blocks: EngineConfig.attention_backend")
     p.add_argument("--moe", choices=["auto", "pairs", "grouped", "gathered", "reference"],
                    default="auto", help="routed-expert kernel (auto: see FusedExperts)")
     p.add_argument("--dense", choices=["torch", "small"], default="torch",
@@ -328,9 +324,7 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(results, indent=1))
         print(engine_cluster.table(results))
         return
-    GatedAttention.round_attention = args.attention
     fused.enable(not args.no_fuse and not args.enforce_eager)
-    DraftAttention.flex_blocks = args.draft_attention == "flex"
     GatedDeltaNet.batched_rounds = args.gdn_rounds == "batched"
     SparseMoE.fused_inputs = args.moe_inputs == "fused"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -346,6 +340,7 @@ def main() -> None:
         target = load_target(args.model, dtype=dtype, device=device)
         draft = DFlashDraftModel.from_pretrained(args.draft_model, dtype=dtype, device=device,
                                                  block_size=max(args.block_sizes))
+    set_attention(target, draft, args.attention, device)
     for m in target.modules():
         if isinstance(m, FusedExperts):
             m.kernel = args.moe

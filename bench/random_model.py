@@ -70,3 +70,20 @@ def transformers_twin(ours: Qwen3_5MoeForCausalLM, raw: dict) -> nn.Module:
         if b.is_meta:
             raise ValueError(f"transformers buffer {name} was left on the meta device")
     return hf.eval()
+
+
+def set_attention(target: Qwen3_5MoeForCausalLM, draft: DFlashDraftModel, choice: str,
+                  device: torch.device) -> None:
+    """The benchmarks' --attention: EngineConfig.attention_backend resolved as the workers
+    resolve it ("triton", or "torch": rounds "reference", which CUDA graphs capture as
+    "gathered", and gathered draft blocks)."""
+    from configs.engine import EngineConfig
+    from draft.model import set_block_attention
+    from target.layers.attention import set_round_attention
+
+    if EngineConfig(model="", attention_backend=choice).attention_kernel(device) == "triton":
+        rounds = blocks = "triton"
+    else:
+        rounds, blocks = "reference", "gathered"
+    set_round_attention(target, rounds)
+    set_block_attention(draft, blocks)

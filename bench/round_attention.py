@@ -1,14 +1,20 @@
-"""The attention of a captured round (or decode) at long context, each form on the same inputs:
-the explicit fp32 scores, one masked SDPA call (memory-efficient kernel), and the keys in
-slices with their log-sum-exp merged (`split_keys_attention`, several slice sizes). Also
-checks each form against the explicit one and whether a row's result is the same alone as
-in a block (what keeps speculative decoding equal to decoding).
+"""The attention of a decode step or verify round at long context, each kernel on the same
+paged cache: "gathered" (the table's pages copied out, then batched matmuls or masked SDPA:
+attention_backend torch under CUDA graphs), "triton" (the split-keys kernel over the pages in
+place: attention_backend triton). Each is checked against "gathered", and for whether a
+query's result is the same bits alone (a decode) as at the end of a block (what keeps
+speculative decoding equal to target-only decoding).
+Also the floor: the bytes of K/V read once over the measured bandwidth.
 
     python -m bench.round_attention [--keys 32768 131072] [--seqs 1 8] [--widths 1 16]
-        [--splits 2048 4096 8192] [--out result.json]
+        [--forms gathered triton] [--launch SPLIT,BM,BN,WARPS,STAGES[,CHUNK] ...]
+        [--out result.json]
+
+--launch adds the Triton kernel at each given launch shape (target/kernels/attention_triton.py
+Launch) as a form "triton_<shape>", to choose the default.
 
 Shapes: the 35B-A3B's full-attention layer at TP 1 (16 query heads over 2 kv heads of 256),
-bf16, every sequence at the full context.
+bf16, pages of 16 in shuffled order, every sequence at the full context.
 """
 
 from __future__ import annotations
@@ -20,41 +26,38 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
 
 from target.kernels import attention as attn
+from target.kernels import attention_triton
+
+HEADS, KV_HEADS, DIM, PAGE = 16, 2, 256, 16
 
 
-def inputs(seqs: int, width: int, keys: int, device, dtype, heads=16, kv_heads=2, dim=256):
+def inputs(seqs: int, width: int, keys: int, device, dtype):
+    """q [S·W, Hq, D], the caches [S·K/page, page, Hkv, D], tables [S, K/page] (shuffled),
+    seq_lens [S] = keys."""
     g = torch.Generator(device=device).manual_seed(seqs * 7 + width + keys)
-    group = heads // kv_heads
-    qq = torch.randn(seqs, kv_heads, group * width, dim, device=device, generator=g).to(dtype)
-    k = torch.randn(seqs, kv_heads, keys, dim, device=device, generator=g).to(dtype)
-    v = torch.randn(seqs, kv_heads, keys, dim, device=device, generator=g).to(dtype)
-    q_pos = keys - width + torch.arange(width, device=device)  # the block at the end
-    mask = torch.arange(keys, device=device)[None, :] <= q_pos[:, None]  # [W, K]
-    rows_mask = mask.repeat(group, 1)[None, None].expand(seqs, 1, -1, -1)
-    return qq, k, v, rows_mask
+    pages = -(-keys // PAGE)
+    q = torch.randn(seqs * width, HEADS, DIM, device=device, generator=g).to(dtype)
+    k = torch.randn(seqs * pages, PAGE, KV_HEADS, DIM, device=device, generator=g).to(dtype)
+    v = torch.randn(seqs * pages, PAGE, KV_HEADS, DIM, device=device, generator=g).to(dtype)
+    order = torch.randperm(seqs * pages, device=device, generator=g)
+    tables = order.view(seqs, pages).to(torch.int32)
+    lens = torch.full((seqs,), keys, dtype=torch.int32, device=device)
+    return q, k, v, tables, lens
 
 
-def forms(splits: list[int]) -> dict:
-    def explicit(qq, k, v, m, scale):
-        scores = attn._scores_fp32(qq, k) * scale
-        return torch.matmul(scores.masked_fill(~m, float("-inf")).softmax(-1).to(v.dtype), v)
-
-    def sdpa(qq, k, v, m, scale):
-        with sdpa_kernel(attn._MASKED_BACKENDS):
-            return F.scaled_dot_product_attention(qq, k, v, attn_mask=m, scale=scale)
-
-    out = {"explicit": explicit, "sdpa_masked": sdpa}
-    for split in splits:
-        out[f"split_{split}"] = partial(split_form, split=split)
-    return out
+def gathered(q, k, v, tables, lens, scale):
+    return attn.paged_attention_gathered(q, k, v, lens, tables, scale)
 
 
-def split_form(qq, k, v, m, scale, split):
-    return attn.split_keys_attention(qq, k, v, m, scale, split)
+def triton_form(q, k, v, tables, lens, scale, launch=None):
+    width = q.shape[0] // tables.shape[0]
+    return attention_triton.paged_attention(q, k, v, tables, lens - width, lens, scale,
+                                            launch=launch)
+
+
+FORMS = {"gathered": gathered, "triton": triton_form}
 
 
 def time_ms(fn, iters: int, warmup: int) -> float:
@@ -76,38 +79,55 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keys", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
     p.add_argument("--widths", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--splits", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS))
+    p.add_argument("--launch", nargs="*", default=[],
+                   help="more Triton launch shapes: split,block_m,block_n,warps,stages[,chunk]")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    device, dtype, scale = torch.device(args.device), torch.bfloat16, 256**-0.5
+    device, dtype, scale = torch.device(args.device), torch.bfloat16, DIM**-0.5
+    forms = {name: FORMS[name] for name in args.forms}
+    for shape in args.launch:
+        launch = attention_triton.Launch(*(int(x) for x in shape.split(",")))
+        forms[f"triton_{shape.replace(',', '_')}"] = partial(triton_form, launch=launch)
+    bandwidth = None
+    if device.type == "cuda":
+        from bench.floors import measure_bandwidth
+
+        bandwidth = measure_bandwidth(device, nbytes=2 << 30)
     results = []
     for keys in args.keys:
         for seqs in args.seqs:
             for width in args.widths:
-                qq, k, v, m = inputs(seqs, width, keys, device, dtype)
-                want = None
+                q, k, v, tables, lens = inputs(seqs, width, keys, device, dtype)
                 row = {"keys": keys, "seqs": seqs, "width": width}
-                for name, fn in forms(args.splits).items():
+                if bandwidth:  # K and V of every sequence read once
+                    kv_bytes = 2 * seqs * keys * KV_HEADS * DIM * dtype.itemsize
+                    row["floor_ms"] = kv_bytes / bandwidth * 1e3
+                want = None
+                for name, fn in forms.items():
                     try:
-                        got = fn(qq, k, v, m, scale)
+                        got = fn(q, k, v, tables, lens, scale)
                         if want is None:
                             want = got.float()
                         row[f"{name}_max_diff"] = (got.float() - want).abs().max().item()
-                        # the last row alone (a decode's one query) against within the block
-                        last = fn(qq[:, :, -1:], k, v, m[:, :, -1:], scale)
-                        row[f"{name}_row_invariant"] = bool(torch.equal(last, got[:, :, -1:]))
+                        # each sequence's last query alone (a decode) against in the block
+                        last = q.view(seqs, width, HEADS, DIM)[:, -1]
+                        alone = fn(last.contiguous(), k, v, tables, lens, scale)
+                        in_block = got.view(seqs, width, HEADS, DIM)[:, -1]
+                        row[f"{name}_row_invariant"] = bool(torch.equal(alone, in_block))
                         if device.type == "cuda":
-                            row[f"{name}_ms"] = time_ms(partial(fn, qq, k, v, m, scale),
+                            row[f"{name}_ms"] = time_ms(partial(fn, q, k, v, tables, lens, scale),
                                                         args.iters, 3)
                     except Exception as e:  # report the form that cannot run, go on
                         row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
                 results.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results},
-                                             indent=1))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "bandwidth_GBps":
+                                              bandwidth and bandwidth / 1e9,
+                                              "results": results}, indent=1))
 
 
 if __name__ == "__main__":

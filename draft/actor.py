@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from configs.engine import EngineConfig
-from draft.model import DFlashDraftModel
+from draft.model import DFlashDraftModel, set_block_attention
 from draft.proposer import DraftRunner
 from target.loader import load_embedding_and_head
 from workers.aux_transport import AuxReceiver, AuxRingSpec
@@ -35,6 +35,8 @@ class DraftWorker(StepLoopEnds):
         self.model = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
                                                       device=self.device, block_size=block_size,
                                                       load_format=cfg.load_format)
+        set_block_attention(self.model, "triton" if cfg.attention_kernel(self.device) == "triton"
+                            else "gathered")
         if embed is None:
             embed_module, head = load_embedding_and_head(cfg.model, cfg.torch_dtype, self.device,
                                                          cfg.load_format)

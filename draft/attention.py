@@ -131,7 +131,18 @@ def paged_block_attention(
     return gqa_attention(q, k, v, mask, scale)
 
 
-def paged_block_attention_flex(
+def write_block_kv(k_block: Tensor, v_block: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   block_tables: Tensor, context_lens: Tensor) -> None:
+    """The block's K/V [S, B, Hkv, D] into each sequence's own slots at L_s … L_s+B−1: the
+    draft pages there are rewritten by the context write of whatever gets committed and are
+    never read as context before, so context and block become one paged key range."""
+    page, block_len = k_cache.shape[1], k_block.shape[1]
+    pos = context_lens.long()[:, None] + torch.arange(block_len, device=k_block.device)
+    slots = block_tables.long().gather(1, pos // page) * page + pos % page
+    write_kv(k_block.flatten(0, 1), v_block.flatten(0, 1), k_cache, v_cache, slots.flatten())
+
+
+def paged_block_attention_triton(
     q: Tensor,
     k_block: Tensor,
     v_block: Tensor,
@@ -144,21 +155,13 @@ def paged_block_attention_flex(
     window: int | None,
     scale: float,
 ) -> Tensor:
-    """paged_block_attention through FlexAttention over the cache in place: the block's K/V
-    are written into the sequence's own slots at L_s … L_s+B−1 first (the draft pages there are
-    rewritten by the context write of whatever gets committed, and never read as context
-    before), so context and block are one paged key range. q [S, B, Hq, D] -> [S, B, Hq, D]."""
-    from target.kernels.attention_flex import paged_flex
+    """paged_block_attention with the pages read in place by the Triton split-keys kernel
+    (target/kernels/attention_triton.py): the block's K/V written to its own slots first
+    (write_block_kv), then its queries over keys 0 … L_s+B−1. q [S, B, Hq, D] -> same."""
+    from target.kernels.attention_triton import paged_attention
 
-    page, block_len = k_cache.shape[1], q.shape[1]
-    lens = context_lens.long()
-    pos = lens[:, None] + torch.arange(block_len, device=q.device)  # [S, B]
-    slots = block_tables.long().gather(1, pos // page) * page + pos % page
-    write_kv(k_block.flatten(0, 1), v_block.flatten(0, 1), k_cache, v_cache, slots.flatten())
-
-    def visible(b, q_idx, key_pos):
-        return key_visible(lens[b] + q_idx, key_pos, is_causal, window)
-
-    out = paged_flex(q.transpose(1, 2), k_cache, v_cache, block_tables, lens + block_len,
-                     visible, scale)
-    return out.transpose(1, 2)
+    write_block_kv(k_block, v_block, k_cache, v_cache, block_tables, context_lens)
+    lens = context_lens.to(torch.int32)
+    out = paged_attention(q.flatten(0, 1), k_cache, v_cache, block_tables, lens,
+                          lens + q.shape[1], scale, causal=is_causal, window=window)
+    return out.view(q.shape)

@@ -20,7 +20,7 @@ from configs.engine import check_load_format
 from draft.attention import (
     apply_rope,
     paged_block_attention,
-    paged_block_attention_flex,
+    paged_block_attention_triton,
     rope_cos_sin,
     rope_inv_freq,
     write_kv,
@@ -58,9 +58,11 @@ class DraftMLP(nn.Module):
 
 
 class DraftAttention(nn.Module):
-    # FlexAttention over the paged cache in place (block K/V written to the block's slots)
-    # instead of gathering the context; off until measured on the GPU.
-    flex_blocks = False
+    # How a block attends over [context ; block]: "gathered" copies the context's pages out
+    # (draft/attention.py); "triton" writes the block's K/V into its own slots and reads the
+    # pages in place (target/kernels/attention_triton.py). Chosen per model by
+    # set_block_attention from EngineConfig.attention_backend.
+    block_attention = "gathered"
 
     def __init__(self, cfg: DraftConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -97,7 +99,7 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
         q = apply_rope(q, cos, sin)
         k, v = self.project_kv(x, cos, sin)
-        attend = paged_block_attention_flex if self.flex_blocks else paged_block_attention
+        attend = BLOCK_ATTENTION[self.block_attention]
         out = attend(
             q, k, v, kv[0], kv[1], block_tables, context_lens,
             is_causal=self.is_causal, window=self.window, scale=self.scale,
@@ -124,6 +126,19 @@ class DraftDecoderLayer(nn.Module):
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, block_tables, context_lens)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+BLOCK_ATTENTION = {"gathered": paged_block_attention, "triton": paged_block_attention_triton}
+
+
+def set_block_attention(model: nn.Module, kind: str) -> None:
+    """Every DraftAttention of `model` attends its blocks with `kind` (BLOCK_ATTENTION)."""
+    if kind not in BLOCK_ATTENTION:
+        raise ValueError(f"block attention must be one of {sorted(BLOCK_ATTENTION)}, got "
+                         f"{kind!r}")
+    for m in model.modules():
+        if isinstance(m, DraftAttention):
+            m.block_attention = kind
 
 
 class DFlashDraftModel(nn.Module):

@@ -71,7 +71,7 @@ class DraftRunner:
         """Returns [S, B−1] proposed tokens (argmax at every temperature)."""
         anchors, context_lens, block_tables = req.anchors, req.context_lens, req.block_tables
         # Only the pages holding context and the block: their count bounds the attention's
-        # gather width (and holds the block's slots where the flex path writes its K/V).
+        # gather width (and holds the block's slots where the triton path writes its K/V).
         width = -(-(max(context_lens) + self.block_size) // self.page_size)
         tables = torch.zeros(len(anchors), width, dtype=torch.int32)
         for i, t in enumerate(block_tables):

@@ -3,11 +3,14 @@
 # all), results under $OUT:
 #   tests   the GPU tests of tests/target/test_long_context.py (the flash path with its
 #           log-sum-exp on CUDA, a prompt in chunks against one piece through fla)
+#   kernels the Triton split-keys attention's GPU tests; bench/round_attention.py (gathered
+#           against triton at 8k, 32k and 128k keys)
 #   bench   bench/engine.py at 8k, 32k and 128k tokens of context (prefill in the server's
 #           8192-token chunks; decode, verify, proposal and round at that context), batch 1
 #   serve   `dflash-serve serve --load-format dummy` on the 35B-A3B architecture with the
 #           draft, --max-model-len 262144 --max-num-seqs 8, then bench/long_prompts.py: 32k,
-#           128k and 252k-token prompts one after the other
+#           128k and 252k-token prompts one after the other, then a 128k one with 4 short
+#           streams beside it
 # Usage: ../shared/tools/device-wheels.sh --ray (fla, Ray Serve, the openai client) into
 #        .whl/; the device tool: carry .whl
 #        OUT=/some/dir bash tools/gpu_long_context_check.sh [tests bench serve]
@@ -15,8 +18,14 @@ set -u
 OUT=${OUT:-/tmp/gpu_long_context_check}; mkdir -p "$OUT"
 . tools/device_env.sh
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-parts=${*:-tests bench serve}
+parts=${*:-kernels tests bench serve}
 for part in $parts; do case $part in
+kernels)
+  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+    tests/target/test_attention_triton.py > "$OUT/gpu_triton_tests.txt" 2>&1
+  tail -3 "$OUT/gpu_triton_tests.txt"
+  timeout ${ROUND_TIMEOUT:-240} python3 -m bench.round_attention --keys 8192 32768 131072 \
+    --out "$OUT/round_attention.json" 2>&1 | tail -12 ;;
 tests)
   timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
     tests/target/test_long_context.py > "$OUT/gpu_tests.txt" 2>&1
@@ -41,6 +50,9 @@ serve)
   grep -v "NCCL INFO" "$OUT/serve.log" | grep -iE "kv pages|pool|warm-up|attention" | tail -4
   timeout ${PROMPTS_TIMEOUT:-240} python3 -m bench.long_prompts --base-url http://127.0.0.1:$port \
     --lengths 32768 131072 258048 --max-tokens 16 --vocab 248320 --out "$OUT/long_prompts.json"
+  timeout ${PROMPTS_TIMEOUT:-240} python3 -m bench.long_prompts --base-url http://127.0.0.1:$port \
+    --lengths 131072 --max-tokens 16 --vocab 248320 --with-short 4 \
+    --out "$OUT/long_prompts_mixed.json"
   curl -s localhost:$port/metrics | grep -E "^dflash_(kv|cache|num_requests)" | head -8
   pkill -INT -f "deploy.cli serve"; sleep 8
   grep -v "NCCL INFO" "$OUT/serve.log" | grep -iE "error|Traceback|OutOfMemory" | tail -5 ;;

@@ -150,8 +150,8 @@ class RoundGraphs:
                  aux_layer_ids: tuple[int, ...], device: torch.device, max_seqs: int,
                  max_pages: int, scratch_pages: list[int], scratch_slot: int,
                  max_graphs: int = MAX_ROUND_GRAPHS):
-        for m in model.modules():  # the paged attention that reads only device tensors
-            if isinstance(m, GatedAttention):
+        for m in model.modules():  # a paged attention that reads only device tensors
+            if isinstance(m, GatedAttention) and m.round_attention == "reference":
                 m.round_attention = "gathered"
         self.model, self.caches, self.aux_layer_ids = model, caches, aux_layer_ids
         self.device, self.max_seqs, self.max_pages = device, max_seqs, max_pages

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from configs.engine import EngineConfig, SamplingParams
 from target.distributed import TPGroup
 from target.kernels import fused
-from target.layers.attention import GatedAttention
+from target.layers.attention import set_round_attention
 from target.loader import load_target
 from target.model import Qwen3_5MoeForCausalLM
 from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
@@ -83,6 +83,10 @@ class TargetWorker(StepLoopEnds):
         group = TPGroup(rank=self.rank, size=self.tp)
         self.model = load_target(self.cfg.model, tp=group, dtype=self.cfg.torch_dtype,
                                  device=self.device, load_format=self.cfg.load_format)
+        graphs = self.device.type == "cuda" and not self.cfg.enforce_eager
+        kernel = self.cfg.attention_kernel(self.device)
+        set_round_attention(self.model, "triton" if kernel == "triton"
+                            else "gathered" if graphs else "reference")
         if self.aux_ring_rows:  # before the memory profile, so the ring counts as used
             width = len(self.aux_layer_ids) * self.model.config.hidden_size
             self.aux_sender = make_aux_sender(
@@ -133,16 +137,7 @@ class TargetWorker(StepLoopEnds):
         width = min(block_size, max_len)
         rounds = [SeqInput(i, [0] * width, max_len - width, table, 0, SamplingParams())
                   for i in range(cfg.max_num_seqs)]
-        attention = [m for m in model.modules() if isinstance(m, GatedAttention)]
-        graphs = self.device.type == "cuda" and not cfg.enforce_eager
-        saved = [m.round_attention for m in attention]
-        try:
-            for m in attention:
-                m.round_attention = "gathered" if graphs else m.round_attention
-            runner.verify(rounds)
-        finally:
-            for m, kind in zip(attention, saved, strict=True):
-                m.round_attention = kind
+        runner.verify(rounds)  # through the round attention allocate chose (init_model)
         del runner, caches
         hidden = torch.zeros(cfg.max_num_seqs * block_size, model.config.hidden_size,
                              dtype=model.dtype, device=self.device)

@@ -47,48 +47,6 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return o.reshape(n_seqs, width, heads, dim)
 
 
-def split_keys_attention(qq: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         rows_mask: torch.Tensor, scale: float, split: int) -> torch.Tensor:
-    """`gqa_attention`'s stacked rows with the keys in slices of `split` (flash-decoding):
-    qq [S, Hkv, R, D], k, v [S, Hkv, K, D], rows_mask [S, 1, R, K] → [S, Hkv, R, D]. Each
-    slice is attended with its log-sum-exp in one batched call over S·n slices, so the kernel
-    has n times the thread blocks of one call over all keys; the slices' outputs are then
-    merged (fp32). The last slice is padded with masked keys. A row's result does not depend
-    on the other rows: a round's rows equal the decode step's."""
-    n_seqs, kv_heads, rows, dim = qq.shape
-    keys = k.shape[2]
-    n = -(-keys // split)
-    if n * split != keys:
-        pad = n * split - keys
-        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
-        rows_mask = F.pad(rows_mask, (0, pad))  # False: padded keys are never seen
-    ks = k.view(n_seqs, kv_heads, n, split, dim).transpose(1, 2).reshape(-1, kv_heads, split, dim)
-    vs = v.view(n_seqs, kv_heads, n, split, dim).transpose(1, 2).reshape(-1, kv_heads, split, dim)
-    qs = qq[:, None].expand(n_seqs, n, kv_heads, rows, dim).reshape(-1, kv_heads, rows, dim)
-    slices = rows_mask.view(n_seqs, rows, n, split).transpose(1, 2).reshape(-1, 1, rows, split)
-    bias = torch.zeros(slices.shape, dtype=qq.dtype, device=qq.device).masked_fill(
-        ~slices, float("-inf")).expand(-1, kv_heads, rows, split)
-    o, lse = _masked_lse(qs, ks, vs, bias, scale)
-    # A slice where a row sees no key weighs nothing (the kernels report lse 0 or NaN there).
-    lse = torch.where(slices.any(-1), lse, float("-inf")).view(n_seqs, n, kv_heads, rows)
-    o = torch.nan_to_num(o.view(n_seqs, n, kv_heads, rows, dim).float())
-    w = (lse - lse.amax(1, keepdim=True)).exp()  # every row sees a key in some slice
-    out = (o * w[..., None]).sum(1) / w.sum(1)[..., None]
-    return out.to(qq.dtype)
-
-
-def _masked_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, H, L, D] attention with an additive bias and its log-sum-exp [B, H, L] (fp32)."""
-    if q.is_cuda:
-        out = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, True, 0.0, False, scale=scale)
-        return out[0], out[1][..., : q.shape[2]]
-    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=bias, scale=scale)
-    return out[0], out[1]
-
-
 def _scores_fp32(qq: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """qq @ kᵀ in fp32: half-precision inputs accumulate and land in fp32 (CUDA's bmm with
     out_dtype), not rounded to bf16 scores."""
@@ -121,14 +79,18 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
 
-def backend_name(device: str, dtype: torch.dtype) -> str:
-    """What `attention_lse` runs on this device and dtype (reported at start-up)."""
+def backend_name(device: str, dtype: torch.dtype, rounds: str) -> str:
+    """What runs the attention on this device and dtype, rounds being the resolved
+    EngineConfig.attention_backend ("triton" or "torch"); reported at start-up."""
     if not device.startswith("cuda"):
-        return "prefill chunks: PyTorch's fused flash attention for CPU; rounds: masked SDPA"
-    kernel = "FlashAttention-2" if dtype in (torch.float16, torch.bfloat16) \
-        else "memory-efficient attention"
-    return (f"prefill chunks: PyTorch's {kernel} (CUDA); rounds: gathered pages "
-            f"(CUDA graphs)")
+        chunks = "PyTorch's fused flash attention for CPU"
+    else:
+        kernel = "FlashAttention-2" if dtype in (torch.float16, torch.bfloat16) \
+            else "memory-efficient attention"
+        chunks = f"PyTorch's {kernel} (CUDA)"
+    few = ("the Triton split-keys kernel over the pages in place" if rounds == "triton"
+           else "gathered pages, batched matmuls / SDPA")
+    return f"prefill chunks: {chunks}; decode, rounds and draft blocks: {few}"
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

@@ -14,18 +14,18 @@ from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
 from target.kernels import attention as attn_kernels
-from target.kernels import fused
-from target.kernels.attention_flex import paged_attention_round, round_block_mask
+from target.kernels import attention_triton, fused
 from target.layers.linear import ColumnParallelLinear, RowParallelLinear
 from target.layers.norm import RMSNorm
 from target.layers.rotary import RotaryEmbedding
 
 
 class GatedAttention(nn.Module):
-    # Uniform batches (every sequence queries the same count: rounds): "reference" loops over
-    # sequences (host lengths); "gathered" is one batched SDPA over the table's pages (no host
-    # values: what captured rounds use, workers/cuda_graphs.py); "flex" is FlexAttention over
-    # the paged cache in place (target/kernels/attention_flex.py; opt-in, see ARCHITECTURE).
+    # Uniform batches (every sequence queries the same count: rounds). Chosen once per model
+    # by set_round_attention from EngineConfig.attention_backend: "triton" reads the pages in
+    # place (target/kernels/attention_triton.py); "gathered" gathers the table's pages for one
+    # batched call; both use no host values (CUDA graphs capture them). "reference" loops over
+    # sequences with host lengths (eager torch).
     round_attention = "reference"
 
     def __init__(self, cfg: TargetConfig, layer_idx: int, tp: TPGroup, dtype: torch.dtype,
@@ -58,18 +58,27 @@ class GatedAttention(nn.Module):
         k_cache, v_cache = caches.kv[self.layer_idx]
         attn_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         uniform = len(set(batch.query_lens)) == 1 and all(batch.is_verify)  # a round
-        if uniform and self.round_attention == "gathered":
+        if uniform and self.round_attention == "triton":
+            lens = batch.seq_lens_t
+            o = attention_triton.paged_attention(q, k_cache, v_cache, batch.block_tables,
+                                                 lens - batch.query_lens[0], lens, self.scale)
+        elif uniform and self.round_attention == "gathered":
             o = attn_kernels.paged_attention_gathered(q, k_cache, v_cache, batch.seq_lens_t,
                                                       batch.block_tables, self.scale)
-        elif uniform and self.round_attention == "flex":
-            mask = batch.attn_meta.get("flex_round")
-            if mask is None:  # one per forward, for every attention layer
-                mask = batch.attn_meta["flex_round"] = round_block_mask(
-                    batch.seq_lens_t, batch.block_tables, k_cache.shape[0], k_cache.shape[1],
-                    batch.query_lens[0])
-            o = paged_attention_round(q, k_cache, v_cache, mask, self.scale)
         else:
             o = attn_kernels.paged_attention(q, k_cache, v_cache, batch.query_lens,
                                              batch.seq_lens, batch.block_tables, self.scale)
         o = fused.sigmoid_gate(o.reshape(t, -1), gate.reshape(t, -1))
         return self.o_proj(o)
+
+
+ROUND_ATTENTION = ("reference", "gathered", "triton")
+
+
+def set_round_attention(model: nn.Module, kind: str) -> None:
+    """Every GatedAttention of `model` attends its uniform rounds with `kind` (ROUND_ATTENTION)."""
+    if kind not in ROUND_ATTENTION:
+        raise ValueError(f"round attention must be one of {ROUND_ATTENTION}, got {kind!r}")
+    for m in model.modules():
+        if isinstance(m, GatedAttention):
+            m.round_attention = kind

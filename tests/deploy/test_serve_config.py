@@ -9,6 +9,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from configs.engine import EngineConfig
 from deploy.app import DFlashServer, ServeArgs, app_builder
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -62,3 +63,20 @@ def test_load_format_reaches_the_engine_and_is_checked(tiny_demo):
     assert cfg.load_format == "dummy"
     with pytest.raises(ValueError, match="load_format"):
         ServeArgs.from_dict({"model": target, "load_format": "npz"}).engine_config()
+
+
+def test_attention_backend_reaches_the_engine_and_resolves_per_device(tiny_demo, monkeypatch):
+    from target.kernels import attention_triton
+
+    target, _ = map(str, tiny_demo)
+    cfg = ServeArgs.from_dict({"model": target, "attention_backend": "torch"}).engine_config()
+    assert cfg.attention_backend == "torch" and cfg.attention_kernel("cuda") == "torch"
+    with pytest.raises(ValueError, match="attention_backend"):
+        ServeArgs.from_dict({"model": target, "attention_backend": "flash"}).engine_config()
+    auto = ServeArgs.from_dict({"model": target}).engine_config()
+    assert auto.attention_kernel("cpu") == "torch"  # never the interpreter by default
+    assert auto.attention_kernel("cuda") == ("triton" if attention_triton.triton else "torch")
+    # asked for explicitly where it cannot run: an error naming the field, not a fallback
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend 'triton'"):
+        EngineConfig(model=target, device="cpu", attention_backend="triton")

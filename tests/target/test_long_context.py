@@ -205,27 +205,3 @@ def test_chunk_attention_on_cuda_equals_the_masked_reference(dtype):
         got = chunk_attention(q, k, v, 256**-0.5)
         torch.testing.assert_close(got.float(), masked_reference(q, k, v, 256**-0.5).float(),
                                    atol=TOL[dtype], rtol=TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_keys_attention_equals_one_softmax_over_all_keys(dtype):
-    """The keys in slices (the last one padded), each attended with its log-sum-exp and
-    merged: equal to the explicit fp32 softmax, also for rows that see nothing in some slices
-    (short sequences in a wide table) and for windows that start past the first slice."""
-    from target.kernels.attention import _scores_fp32, split_keys_attention
-
-    g = torch.Generator().manual_seed(1)
-    seqs, kv_heads, rows, keys = 3, 2, 6, 1000
-    qq = torch.randn(seqs, kv_heads, rows, 16, generator=g).to(dtype)
-    k = torch.randn(seqs, kv_heads, keys, 16, generator=g).to(dtype)
-    v = torch.randn(seqs, kv_heads, keys, 16, generator=g).to(dtype)
-    pos = torch.arange(keys)
-    lens, starts = torch.tensor([1000, 70, 640]), torch.tensor([0, 0, 300])
-    mask = ((pos < lens[:, None]) & (pos >= starts[:, None]))[:, None, None, :]
-    mask = mask.expand(seqs, 1, rows, keys)
-    scores = _scores_fp32(qq, k) * 0.25
-    want = torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(-1), v.float())
-    for split in (128, 300, 1000):
-        got = split_keys_attention(qq, k, v, mask, 0.25, split)
-        assert got.dtype == dtype and got.shape == qq.shape
-        torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])

@@ -146,15 +146,16 @@ def test_bench_prefill_goes_in_steps_within_the_chunk_budget():
 
 
 def test_round_attention_bench_runs_every_form_on_the_same_inputs(tmp_path):
-    """bench/round_attention.py on CPU (no timings there): every form runs and agrees with
-    the explicit one to bf16 precision."""
+    """bench/round_attention.py on CPU (no timings there; the Triton form needs CUDA or the
+    interpreter): the gathered form runs on the paged inputs, and a query's result alone
+    equals it inside the block."""
     from bench import round_attention
 
     out = tmp_path / "round.json"
     round_attention.main(["--device", "cpu", "--keys", "600", "--seqs", "2", "--widths", "1",
-                          "4", "--splits", "128", "256", "--out", str(out)])
+                          "4", "--forms", "gathered", "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
     assert [(r["seqs"], r["width"]) for r in rows] == [(2, 1), (2, 4)]
     for r in rows:
-        for form in ("sdpa_masked", "split_128", "split_256"):
-            assert f"{form}_error" not in r and r[f"{form}_max_diff"] < 2e-2, (form, r)
+        assert "gathered_error" not in r and r["gathered_max_diff"] == 0, r
+        assert r["gathered_row_invariant"], r

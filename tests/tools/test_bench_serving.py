@@ -103,3 +103,18 @@ def test_long_prompts_reports_each_length_and_the_servers_error(base_url, tmp_pa
     assert ok["status"] == 200 and ok["tokens"] >= 1 and ok["ttft_s"] <= ok["total_s"]
     assert too_long["status"] == 400 and "context" in too_long["error"]
     assert short["status"] == 200 and short["error"] is None
+
+
+def test_long_prompts_with_short_streams_beside_each(base_url, tmp_path):
+    """--with-short: short streams run beside the long prompt until it ends; each is counted
+    with its status, and the gaps between their chunks are reported."""
+    from bench import long_prompts
+
+    out = tmp_path / "mixed.json"
+    long_prompts.main(["--base-url", base_url, "--lengths", "900", "--max-tokens", "40",
+                       "--vocab", "384", "--with-short", "2", "--out", str(out)])
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["status"] == 200 and r["error"] is None
+    short = r["short"]
+    assert short["requests"] >= 2 and short["ok"] == short["requests"] and not short["errors"]
+    assert 0 < short["gap_median_ms"] <= short["gap_max_ms"]

@@ -1,0 +1,247 @@
+"""Paged attention for few queries per sequence (decode, verify rounds, the draft's blocks) as
+a Triton split-keys kernel that reads the KV pages in place: no gathered copy of the context,
+no queries × keys tensor, no host values (it captures in CUDA graphs).
+
+Each sequence s has W queries at positions q_first[s] + w (w < W) and sees keys
+0 … kv_lens[s] − 1 of its pages (block_tables[s]), filtered per query by causality and a
+window. A query head's rows are stacked per kv head: row r = w·G + g is query w of head
+kv·G + g (G query heads per kv head), so each kv head's keys are read once for all its query
+heads.
+
+  1. split, grid (row tiles, key splits, S·Hkv): a program takes BLOCK_M rows of one kv head
+     and the keys of one split (SPLIT_KEYS consecutive positions), walks them BLOCK_N at a
+     time (page ids looked up per key), and keeps the online softmax (running max m, sum l,
+     unnormalised output acc, fp32). It writes m, l and acc for its rows.
+  2. merge, grid (T·Hq,): per row, out = Σ acc_i·e^(m_i−M) / Σ l_i·e^(m_i−M) with M the
+     largest m_i, and the log-sum-exp M + log Σ l_i·e^(m_i−M); the splits MERGE_CHUNK at a
+     time (a fixed-shape sum within a chunk, chunks in order): one dependent load per split
+     would leave the merge waiting on memory latency at long context.
+
+A row's result does not depend on the batch around it, bit for bit: the launch shape (Launch)
+is one per process, never chosen per call; tiles, splits and merge chunks start at fixed
+positions; a key a row may not see adds exactly nothing (weight 0, and its value loaded as 0
+past kv_lens), and so does a split it has no key in. So a decode step and the same query
+inside a verify block of any size give the same bits (speculative decoding = target-only
+decoding in bf16 too), and a sequence's result does not depend on the other sequences.
+
+Row tiles vary fastest in the grid: the programs reading one split's keys run side by side
+and share them through L2, so K/V come from memory about once per kv head.
+
+Triton is optional: without it this module imports and `available()` is False. On CPU
+tensors the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 set before triton is
+first imported; tests/target/test_attention_triton.py runs its cases in a child process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The launch shape: `split` keys per split program, `block_m` rows and `block_n` keys per
+    step, `warps` and `stages` of the split kernel; `merge_chunk` splits per merge step."""
+
+    split: int = 1024
+    block_m: int = 32
+    block_n: int = 64
+    warps: int = 4
+    stages: int = 2
+    merge_chunk: int = 32
+
+
+# The launch shape every call uses, from the sweep of bench/round_attention.py --launch on the
+# H200 (docs/BENCHMARKS.md): against 16-row tiles (8 warps), 32-row ones take 23-25 % less
+# time for a block of 16 queries at 128k keys (1 and 8 sequences) and up to 18 % more for one
+# query (8 sequences; 0.17 against 0.11 ms at 8k). Verify blocks are what a DFlash round runs.
+LAUNCH = Launch()
+SPLIT_KEYS = LAUNCH.split
+
+
+def available(device: torch.device | str) -> bool:
+    """The kernels can run on this device: Triton imports, and the device is CUDA (or the
+    interpreter is on, for tests)."""
+    if triton is None:
+        return False
+    if torch.device(device).type == "cuda":
+        return True
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Tables, QFirst, KvLens, Acc, Stat,
+                      stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
+                      stride_vb, stride_vp, stride_vh, stride_tb,
+                      scale, width, group, rows, n_heads, n_tokens, window,
+                      PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                      CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+        tile, split, sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_kv = n_heads // group
+        s, kvh = sk // n_kv, sk % n_kv
+        kv_len = tl.load(KvLens + s)
+        q_first = tl.load(QFirst + s)
+        lo = split * SPLIT
+        hi = tl.minimum(lo + SPLIT, kv_len)
+        first = 0
+        if WINDOWED:  # keys below the earliest query's window are never seen
+            first = tl.maximum(q_first - window + 1, 0)
+        if (lo >= kv_len) | (lo + SPLIT <= first):
+            return  # the merge does not read this split
+        start = lo
+        if first > lo:
+            start = lo + (first - lo) // BLOCK_N * BLOCK_N  # tiles stay at fixed positions
+
+        r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = r < rows
+        w, g = r // group, r % group
+        token = s * width + w
+        head = kvh * group + g
+        q_pos = q_first + w
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for k0 in range(start, hi, BLOCK_N):
+            keys = k0 + tl.arange(0, BLOCK_N)
+            k_ok = keys < hi
+            page = tl.load(Tables + s * stride_tb + keys // PAGE, mask=k_ok, other=0)
+            off = keys % PAGE
+            kv_ok = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + page[:, None] * stride_kb + off[:, None] * stride_kp
+                        + kvh * stride_kh + d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(V + page[:, None] * stride_vb + off[:, None] * stride_vp
+                        + kvh * stride_vh + d[None, :], mask=kv_ok, other=0.0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            seen = k_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                seen = seen & (keys[None, :] <= q_pos[:, None])
+            if WINDOWED:
+                seen = seen & (q_pos[:, None] - keys[None, :] < window)
+                if not CAUSAL:
+                    seen = seen & (keys[None, :] - q_pos[:, None] < window)
+            qk = tl.where(seen, qk * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+            alpha = tl.exp(m_i - shift)
+            p = tl.exp(qk - shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        # Acc [n_splits, T, Hq, D], Stat [n_splits, 2, T, Hq] (m, l), fp32
+        at = (split * n_tokens + token) * n_heads + head
+        tl.store(Acc + at[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        st = (split * 2 * n_tokens + token) * n_heads + head
+        tl.store(Stat + st, m_i, mask=row_ok)
+        tl.store(Stat + st + n_tokens * n_heads, l_i, mask=row_ok)
+
+    @triton.jit
+    def _merge_kernel(Acc, Stat, QFirst, KvLens, Out, Lse, stride_ot, stride_oh,
+                      width, n_heads, n_tokens, window,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+                      CHUNK: tl.constexpr, WINDOWED: tl.constexpr, WITH_LSE: tl.constexpr):
+        row = tl.program_id(0)  # token · Hq + head
+        token, head = row // n_heads, row % n_heads
+        s = token // width
+        kv_len = tl.load(KvLens + s)
+        first = 0
+        if WINDOWED:  # the split kernel wrote nothing below the window
+            first = tl.maximum(tl.load(QFirst + s) - window + 1, 0) // SPLIT
+        last = (kv_len + SPLIT - 1) // SPLIT  # splits [first, last) may hold the row's keys
+        start = first // CHUNK * CHUNK  # chunks at fixed positions
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        c = tl.arange(0, CHUNK)
+        m_at = Stat + row  # split i: m at i·2·T·Hq, l at (2i + 1)·T·Hq
+        big = tl.full([CHUNK], float("-inf"), tl.float32)
+        for i0 in range(start, last, CHUNK):
+            i = i0 + c
+            big = tl.maximum(big, tl.load(m_at + i * 2 * n_tokens * n_heads,
+                                          mask=(i >= first) & (i < last), other=float("-inf")))
+        top = tl.max(big, 0)
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros([CHUNK], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for i0 in range(start, last, CHUNK):
+            i = i0 + c
+            ok = (i >= first) & (i < last)
+            m = tl.load(m_at + i * 2 * n_tokens * n_heads, mask=ok, other=float("-inf"))
+            w = tl.exp(m - shift)  # 0 for a split the row has no key in, and outside
+            total += tl.load(m_at + (2 * i + 1) * n_tokens * n_heads, mask=ok, other=0.0) * w
+            part = tl.load(Acc + (i[:, None] * n_tokens * n_heads + row) * D + d[None, :],
+                           mask=ok[:, None] & d_ok[None, :], other=0.0)
+            acc += tl.sum(part * w[:, None], 0)
+        denom = tl.sum(total, 0)
+        out = tl.where(denom > 0.0, acc / denom, 0.0)
+        tl.store(Out + token * stride_ot + head * stride_oh + d,
+                 out.to(Out.dtype.element_ty), mask=d_ok)
+        if WITH_LSE:
+            tl.store(Lse + row, tl.where(denom > 0.0, shift + tl.log(denom), float("-inf")))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, q_first: torch.Tensor, kv_lens: torch.Tensor,
+                    scale: float, *, causal: bool = True, window: int | None = None,
+                    with_lse: bool = False, launch: Launch | None = None):
+    """q [S·W, Hq, D]: W queries per sequence at positions q_first[s] + w; k_cache/v_cache
+    [num_pages, page, Hkv, D]; block_tables [S, P] int32 (P·page ≥ kv_lens); q_first, kv_lens
+    [S] int32 on q's device. Key j of sequence s is seen by the query at position p when
+    j < kv_lens[s], j ≤ p (causal) and |p − j| < window (window; one-sided when causal).
+    Returns out [S·W, Hq, D] in q's dtype, and with_lse also the log-sum-exp [S·W, Hq] fp32
+    (−inf, out 0, for a query that sees no key). `launch`: LAUNCH unless a benchmark sweeps."""
+    launch = launch or LAUNCH
+    n_tokens, n_heads, dim = q.shape
+    n_seqs, n_pages = block_tables.shape
+    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    width, group = n_tokens // n_seqs, n_heads // kv_heads
+    assert n_seqs * width == n_tokens and group * kv_heads == n_heads
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    n_splits = -(-(n_pages * page) // launch.split)
+    rows = group * width
+    block_d = max(16, triton.next_power_of_2(dim))
+    dev = q.device
+    acc = torch.empty(n_splits, n_tokens, n_heads, dim, dtype=torch.float32, device=dev)
+    stat = torch.empty(n_splits, 2, n_tokens, n_heads, dtype=torch.float32, device=dev)
+    out = torch.empty_like(q)
+    lse = torch.empty(n_tokens, n_heads, dtype=torch.float32, device=dev) if with_lse else out
+    q_first, kv_lens = q_first.to(torch.int32), kv_lens.to(torch.int32)
+    win = window if window is not None else 0
+    ieee = q.dtype == torch.float32
+    _split_kernel[(triton.cdiv(rows, launch.block_m), n_splits, n_seqs * kv_heads)](
+        q, k_cache, v_cache, block_tables, q_first, kv_lens, acc, stat,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        scale, width, group, rows, n_heads, n_tokens, win,
+        PAGE=page, D=dim, BLOCK_D=block_d, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        SPLIT=launch.split, CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee,
+        num_warps=launch.warps, num_stages=launch.stages)
+    _merge_kernel[(n_tokens * n_heads,)](
+        acc, stat, q_first, kv_lens, out, lse, out.stride(0), out.stride(1),
+        width, n_heads, n_tokens, win,
+        D=dim, BLOCK_D=block_d, SPLIT=launch.split, CHUNK=launch.merge_chunk,
+        WINDOWED=window is not None, WITH_LSE=with_lse, num_warps=4)
+    return (out, lse) if with_lse else out

@@ -1,0 +1,248 @@
+"""The Triton paged split-keys attention (target/kernels/attention_triton.py) against a
+per-query fp64 reference: decode, verify blocks, several splits, the draft's non-causal
+windowed blocks with their log-sum-exp, head dims that are not powers of two; pages out of
+order, stale NaN past each sequence's keys. Also: a query's result is the same bits alone
+(decode) as inside a block and whatever the other sequences are (what keeps speculative
+decoding equal to target-only decoding). On CUDA also inside a CUDA graph.
+
+Without CUDA the cases run in Triton's interpreter in one child process, this file run as a
+script (tests/target/triton_child.py says why)."""
+
+import json
+
+import pytest
+import torch
+import triton_child
+
+triton = pytest.importorskip("triton")
+
+from target.kernels import attention_triton  # noqa: E402
+from target.kernels.attention_triton import SPLIT_KEYS, paged_attention  # noqa: E402
+
+# "half": bf16 on CUDA; fp16 in the interpreter, whose tl.dot misreads bf16 operands (numpy has
+# no bf16) while fp16 is numpy's own. The kernel code is the same for both.
+DTYPES = {"fp32": torch.float32, "half": torch.bfloat16}
+TOL = {"fp32": 1e-5, "half": 2e-2}
+
+
+def dtype_on(name: str, device: str) -> torch.dtype:
+    return torch.float16 if name == "half" and device == "cpu" else DTYPES[name]
+# name: (context lengths before the queries, W, Hq, Hkv, D, page, causal, window)
+CASES = {
+    "decode": ([5, 17, 64], 1, 8, 2, 16, 4, True, None),
+    "verify": ([0, 9, 130], 6, 4, 2, 16, 16, True, None),
+    "splits": ([SPLIT_KEYS + 300, 7], 3, 4, 1, 16, 16, True, None),  # 2 splits, and 1
+    # 40 splits (more than one merge chunk), a window that skips the first 35 of them
+    "many_splits": ([40 * SPLIT_KEYS - 9], 2, 2, 1, 16, 64, False, 5 * SPLIT_KEYS + 7),
+    "draft_window": ([0, 3, 40], 4, 4, 2, 16, 4, False, 7),  # non-causal block, window 7
+    "head_dim_24": ([11, 30], 2, 2, 2, 24, 8, True, None),
+}
+
+
+def problem(lens, width, heads, kv_heads, dim, page, dtype, device="cpu", seed=0):
+    """Caches with each sequence's pages scattered (reversed, interleaved), every slot past a
+    sequence's keys NaN; q [S·W, Hq, D]."""
+    g = torch.Generator(device).manual_seed(seed)
+    kv_lens = [n + width for n in lens]
+    pages_each = max(-(-n // page) for n in kv_lens) + 1
+    n_pages = pages_each * len(lens) + 3
+    order = torch.randperm(n_pages, generator=g, device=device)
+    tables = order[: pages_each * len(lens)].view(len(lens), pages_each).int()
+    k_cache = torch.full((n_pages, page, kv_heads, dim), float("nan"), device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for s, n in enumerate(kv_lens):
+        keys = torch.arange(n, device=device)
+        slots = tables[s].long()[keys // page] * page + keys % page
+        for cache in (k_cache, v_cache):
+            cache.view(-1, kv_heads, dim)[slots] = torch.randn(n, kv_heads, dim, generator=g,
+                                                               device=device)
+    q = torch.randn(len(lens) * width, heads, dim, generator=g, device=device)
+    as_int = dict(dtype=torch.int32, device=device)
+    return (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), tables,
+            torch.tensor(lens, **as_int), torch.tensor(kv_lens, **as_int))
+
+
+def reference(q, k_cache, v_cache, tables, q_first, kv_lens, scale, causal, window):
+    """Each query on its own, fp64: out [S·W, Hq, D], lse [S·W, Hq]."""
+    n_seqs = tables.shape[0]
+    width, (_, page, kv_heads, dim) = q.shape[0] // n_seqs, k_cache.shape
+    group = q.shape[1] // kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    for s in range(n_seqs):
+        n = int(kv_lens[s])
+        slots = [int(tables[s, j // page]) * page + j % page for j in range(n)]
+        k = k_cache.reshape(-1, kv_heads, dim)[slots].double().cpu()
+        v = v_cache.reshape(-1, kv_heads, dim)[slots].double().cpu()
+        keys = torch.arange(n)
+        for w in range(width):
+            p = int(q_first[s]) + w
+            seen = torch.ones(n, dtype=torch.bool)
+            if causal:
+                seen &= keys <= p
+            if window is not None:
+                seen &= (p - keys) < window
+                if not causal:
+                    seen &= (keys - p) < window
+            if not seen.any():
+                continue
+            t = s * width + w
+            for h in range(q.shape[1]):
+                scores = (k[seen, h // group] @ q[t, h].double().cpu()) * scale
+                lse[t, h] = torch.logsumexp(scores, 0)
+                out[t, h] = scores.softmax(0) @ v[seen, h // group]
+    return out, lse
+
+
+def case_error(name: str, dtype: str, device: str) -> float:
+    """The largest difference from the reference, output and log-sum-exp (finite ones; an
+    infinite one must match exactly)."""
+    lens, width, heads, kv_heads, dim, page, causal, window = CASES[name]
+    q, kc, vc, tables, q_first, kv_lens = problem(lens, width, heads, kv_heads, dim, page,
+                                                  dtype_on(dtype, device), device)
+    scale = dim**-0.5
+    out, lse = paged_attention(q, kc, vc, tables, q_first, kv_lens, scale, causal=causal,
+                               window=window, with_lse=True)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32
+    want, want_lse = reference(q, kc, vc, tables, q_first, kv_lens, scale, causal, window)
+    finite = torch.isfinite(want_lse)
+    if not torch.equal(torch.isfinite(lse.cpu()), finite):
+        return "log-sum-exp infinite where the reference's is not (or the reverse)"
+    return max((out.cpu().double() - want).abs().max().item(),
+               (lse.cpu().double() - want_lse)[finite].abs().max().item())
+
+
+def invariance(device: str) -> dict[str, int]:
+    """Bits that differ between a query decoded alone and the same query inside a verify
+    block (several block sizes), and between a sequence alone and in a batch. bf16 on CUDA,
+    fp16 in the interpreter (numpy's own half type)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    lens = [SPLIT_KEYS - 3, 40]  # the block crosses a split boundary in sequence 0
+    heads, kv_heads, dim, page = 8, 2, 32, 16
+    width = 8
+    q, kc, vc, tables, q_first, kv_lens = problem(lens, width, heads, kv_heads, dim, page,
+                                                  dtype, device, seed=1)
+    block = paged_attention(q, kc, vc, tables, q_first, kv_lens, 0.2)
+    out = {"decode_vs_block": 0, "block_sizes": 0, "alone_vs_batch": 0}
+    for s in range(len(lens)):
+        rows = slice(s * width, (s + 1) * width)
+        alone = paged_attention(q[rows], kc, vc, tables[s : s + 1], q_first[s : s + 1],
+                                kv_lens[s : s + 1], 0.2)
+        out["alone_vs_batch"] += int((alone != block[rows]).sum())
+        for w in range(width):
+            t = s * width + w
+            one = paged_attention(q[t : t + 1], kc, vc, tables[s : s + 1],
+                                  q_first[s : s + 1] + w, q_first[s : s + 1] + w + 1, 0.2)
+            out["decode_vs_block"] += int((one != block[t : t + 1]).sum())
+        half = paged_attention(q[rows][: width // 2], kc, vc, tables[s : s + 1],
+                               q_first[s : s + 1], q_first[s : s + 1] + width // 2, 0.2)
+        out["block_sizes"] += int((half != block[rows][: width // 2]).sum())
+    return out
+
+
+def model_differences() -> dict[str, float]:
+    """fp32 end to end: the tiny demo target's verify logits (a round after a prefill, 3
+    sequences) with rounds through the Triton kernel against the per-sequence reference; the
+    draft's proposal logits (both published revisions: full attention; sliding windows) with
+    Triton blocks against the gathering path. The largest absolute differences."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(triton_child.ROOT / "tests" / "draft"))
+    import draft_blocks
+    from target_harness import TargetHarness
+
+    from draft.model import DFlashDraftModel, set_block_attention
+    from target.layers.attention import set_round_attention
+    from tools.tiny_models import write_all
+
+    out = {}
+    h = TargetHarness(triton_child.ROOT / "tests/assets/tiny/target")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (6, 13, 9)]
+    tables = [h.pages(64) for _ in prompts]
+    h.logits([h.seq(i, p, 0, tables[i], i) for i, p in enumerate(prompts)], verify=False)
+    blocks = [torch.randint(0, 300, (6,), generator=g).tolist() for _ in prompts]
+    rounds = {}
+    for kind in ("reference", "triton"):
+        set_round_attention(h.model, kind)
+        rounds[kind] = torch.cat(h.logits([h.seq(i, b, len(prompts[i]), tables[i], i)
+                                           for i, b in enumerate(blocks)], verify=True))
+    out["target_round"] = (rounds["triton"] - rounds["reference"]).abs().max().item()
+    with tempfile.TemporaryDirectory() as root:
+        write_all(Path(root))
+        for revision in ("draft-full", "draft-swa"):
+            block = 4
+            model = DFlashDraftModel.from_pretrained(Path(root) / revision, dtype=torch.float32,
+                                                     block_size=block)
+            want = draft_blocks.proposal_logits(model, block)
+            set_block_attention(model, "triton")
+            cache, slots, context, got = draft_blocks.proposal_logits(model, block,
+                                                                      with_cache=True)
+            # the block's K/V went to its own slots: every context slot still as written
+            after = [(k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots])
+                     for k, v in cache]
+            kept = all(torch.equal(a, b) for pair, pair0 in zip(after, context, strict=True)
+                       for a, b in zip(pair, pair0, strict=True))
+            out[revision] = (got - want).abs().max().item() if kept else float("inf")
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """The interpreter child's results (None on CUDA, where the tests compute their own)."""
+    return triton_child.run(__file__)
+
+
+@pytest.fixture(scope="module")
+def errors(interpreted):
+    return triton_child.error_lookup(interpreted, case_error)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", CASES)
+def test_split_keys_attention_equals_the_reference(errors, name, dtype):
+    err = errors(f"{name}/{dtype}")
+    assert not isinstance(err, str), err
+    assert err < TOL[dtype]
+
+
+def test_a_query_gets_the_same_bits_alone_in_a_block_and_in_a_batch(interpreted):
+    got = interpreted["invariance"] if interpreted else invariance("cuda")
+    assert got == {"decode_vs_block": 0, "block_sizes": 0, "alone_vs_batch": 0}
+
+
+@pytest.mark.parametrize("what", ["target_round", "draft-full", "draft-swa"])
+def test_the_models_attend_alike_through_the_kernel(interpreted, what):
+    if interpreted is None:
+        pytest.skip("the CPU harness in the interpreter; on CUDA the engine's golden check "
+                    "(tools/golden_check.py) runs both models through the kernel")
+    assert interpreted["models"][what] < 1e-5
+
+
+def test_available_only_where_the_kernels_can_run():
+    assert attention_triton.available("cuda") == (attention_triton.triton is not None)
+    assert attention_triton.available("cpu") is False  # this process has no interpreter
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replays_in_a_cuda_graph_with_new_lengths():
+    q, kc, vc, tables, q_first, kv_lens = problem([100, 37], 4, 16, 2, 256, 16,
+                                                  torch.bfloat16, "cuda")
+    eager = paged_attention(q, kc, vc, tables, q_first, kv_lens, 0.0625)
+    graph = torch.cuda.CUDAGraph()
+    first, lens = q_first.clone(), kv_lens.clone()
+    first.fill_(0), lens.fill_(4)
+    paged_attention(q, kc, vc, tables, first, lens, 0.0625)  # warm-up (compiles)
+    with torch.cuda.graph(graph):
+        out = paged_attention(q, kc, vc, tables, first, lens, 0.0625)
+    first.copy_(q_first), lens.copy_(kv_lens)
+    graph.replay()
+    assert torch.equal(out, eager)
+
+
+if __name__ == "__main__":  # the interpreter child (triton_child.run)
+    print(json.dumps({"errors": triton_child.case_errors(CASES, DTYPES, case_error, "cpu"),
+                      "invariance": invariance("cpu"), "models": model_differences()}))
