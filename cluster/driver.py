@@ -129,6 +129,13 @@ class EngineDriver:
     async def check_alive(self) -> None:
         await self.client.check_alive()
 
+    async def drain(self, grace_s: float) -> dict[str, int]:
+        """No new requests; those in flight finish or are stopped after grace_s
+        (LocalEngineClient.drain). What `dflash-serve serve` calls on SIGTERM."""
+        counts = await self.client.drain(grace_s)
+        log.info("drained: %s", counts)
+        return counts
+
     def restarts(self) -> int:
         return self.cluster.restarts
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from cluster.engine import AcceptanceStats, LLMEngine, RequestOutput
 from cluster.engine_types import (
     EngineDeadError,
+    EngineDraining,
     EngineOverloaded,
     EngineSnapshot,
     EngineStepError,
@@ -117,6 +118,7 @@ class LocalEngineClient:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _closed and _num_waiting
         self._closed = False
+        self._draining = False  # drain(): no new requests
         self._num_waiting = 0
         self._fatal: str | None = None  # why the loop died
         self._unhealthy: str | None = None
@@ -134,6 +136,8 @@ class LocalEngineClient:
         with self._lock:
             if self._closed:
                 raise EngineDeadError(self._fatal or "the engine is shut down")
+            if self._draining:
+                raise EngineDraining("the server is shutting down and takes no new requests")
             if self.max_waiting is not None and self._num_waiting >= self.max_waiting:
                 raise EngineOverloaded(
                     f"{self._num_waiting} requests are already waiting; retry later")
@@ -222,8 +226,26 @@ class LocalEngineClient:
 
     async def check_health(self) -> None:
         await self.check_alive()
+        if self._draining:
+            raise EngineDraining("the server is shutting down")
         if self._unhealthy is not None:
             raise EngineDeadError(self._unhealthy)
+
+    async def drain(self, grace_s: float, poll_s: float = 0.05) -> dict[str, int]:
+        """Graceful shutdown's first half: from now on `submit` raises EngineDraining (HTTP
+        503, as does check_health); the requests in flight run on for up to `grace_s`
+        seconds, and any still running then end with EngineDraining (a stream gets an error
+        event and [DONE]) and are dropped from the engine. Returns how many were in flight,
+        how many finished and how many were stopped. The engine keeps running (shutdown
+        stops it)."""
+        with self._lock:
+            self._draining = True
+        deadline = time.monotonic() + grace_s
+        in_flight = await self.call(lambda: len(self._requests))
+        while time.monotonic() < deadline and await self.call(self._busy):
+            await asyncio.sleep(poll_s)
+        stopped = await self.call(self._stop_all)
+        return {"in_flight": in_flight, "finished": in_flight - stopped, "stopped": stopped}
 
     async def check_alive(self) -> None:
         """Like check_health, but passes while a restart is under way: for supervisors that
@@ -411,6 +433,16 @@ class LocalEngineClient:
             for req in again:
                 req.retried = True
                 self._add(_Add(req.request_id, req.prompt_ids, req.params, req))
+
+    def _stop_all(self) -> int:
+        n = len(self._requests)
+        for request_id, req in list(self._requests.items()):
+            self._engine_abort(request_id)
+            self._end(req, EngineDraining(
+                "the server is shutting down: the request was stopped before it finished"))
+        self._requests.clear()
+        self._publish()
+        return n
 
     def _fail_all(self, error) -> None:
         for req in self._requests.values():

@@ -18,6 +18,11 @@ class EngineDeadError(RuntimeError):
     """The engine is shut down or its loop died (HTTP 503)."""
 
 
+class EngineDraining(EngineDeadError):
+    """The server is shutting down: it takes no new requests, and a request still running at
+    the end of the grace period is stopped (HTTP 503)."""
+
+
 class EngineStepError(RuntimeError):
     """A step raised: every request in flight at that moment fails with this (HTTP 500); or
     a step failed for one request alone (`request_failed`)."""

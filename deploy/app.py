@@ -19,8 +19,8 @@ from cluster.ray_executor import engine_bundles, separate_draft
 from configs.engine import EngineConfig
 from configs.model import TargetConfig
 from deploy.openai_api import build_app
-from deploy.protocol import DEFAULT_MAX_REQUEST_BYTES
-from deploy.ray_client import RayEngineClient
+from deploy.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE_S
+from deploy.ray_client import DRAIN_MARGIN_S, RayEngineClient
 from deploy.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,9 +61,14 @@ class ServeArgs:
     draft_placement: str = "colocated"  # "separate": the draft on a GPU of its own
     control_channel: str = "auto"  # per-step messages: shared memory within a node, else TCP
     control_spin_us: int | None = None  # spin before sleeping on it; None: by core count
+    attention_backend: str = "auto"  # decode/rounds/draft blocks: "triton" on CUDA, or "torch"
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # SIGTERM: requests in flight run on
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shutdown_grace_s, (int, float)) or self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be a number >= 0, got "
+                             f"{self.shutdown_grace_s!r}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         algo = self.speculative_algorithm
@@ -118,7 +123,8 @@ class ServeArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager, load_format=self.load_format,
             draft_placement=self.draft_placement, control_channel=self.control_channel,
-            control_spin_us=self.control_spin_us, **extra,
+            control_spin_us=self.control_spin_us, attention_backend=self.attention_backend,
+            **extra,
         )
 
 
@@ -160,6 +166,9 @@ def build_deployment(a: ServeArgs, num_replicas: int | None = None) -> Applicati
     cfg = a.engine_config()
     TargetConfig.from_pretrained(cfg.model).check_tp(a.tp)
     options = {"num_replicas": num_replicas} if num_replicas is not None else {}
+    # Serve waits this long for a replica's requests when it stops it (serve run's Ctrl-C, a
+    # redeploy, a downscale): past the grace period, so a drain (drain_engines) ends first.
+    options["graceful_shutdown_timeout_s"] = a.shutdown_grace_s + DRAIN_MARGIN_S
     return DFlashServer.options(
         placement_group_bundles=engine_bundles(a.tp, a.on_gpu, separate_draft(cfg)),
         placement_group_strategy="STRICT_PACK", **options,

@@ -9,7 +9,7 @@ import sys
 import time
 
 from configs.logs import setup_logging
-from deploy.protocol import DEFAULT_MAX_REQUEST_BYTES
+from deploy.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -82,10 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--control-spin-us", type=int,
                    help="microseconds a process waiting on that channel spins before it sleeps "
                         "(default: 50000 on GPU hosts with 8+ cores, else 0)")
+    s.add_argument("--attention-backend", default="auto",
+                   help="the kernel of decode steps, verify rounds and draft blocks: triton (the "
+                        "KV pages read in place), torch (pages gathered), or auto (triton on "
+                        "CUDA, torch elsewhere)")
     s.add_argument("--max-waiting", type=int,
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
     s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413 (default 16 MiB)")
+    s.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="on SIGTERM or Ctrl-C: seconds the requests in flight may run on "
+                        "(new ones get 503); those still running then end with an error "
+                        "event (default 30; a second signal stops at once)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
     s.add_argument("--address", help="Ray cluster to join (e.g. auto); default: start one")
     return parser
@@ -182,19 +190,26 @@ def serve_forever(args: argparse.Namespace) -> int:
         dtype=args.dtype, served_model_name=args.served_model_name,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-        max_request_bytes=args.max_request_bytes,
+        max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         load_format=args.load_format, draft_placement=args.draft_placement,
-        control_channel=args.control_channel, control_spin_us=args.control_spin_us)
+        control_channel=args.control_channel, control_spin_us=args.control_spin_us,
+        attention_backend=args.attention_backend)
     app = build_deployment(sargs, num_replicas=args.num_replicas)  # ValueError: bad args
 
     import ray
     from ray import serve
 
+    from deploy.ray_client import drain_engines
+
     _init_ray(args.address, args.tp)
-    stop = threading.Event()
+    stop, force = threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:  # the first: drain; a second: stop now
+        (force if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name="dflash", route_prefix="/")
@@ -205,12 +220,21 @@ def serve_forever(args: argparse.Namespace) -> int:
               f"\"max_tokens\": 32}}'\nstop with Ctrl-C", flush=True)
         while not stop.wait(1.0):
             pass
-        print("dflash-serve: shutting down", flush=True)
+        print(f"dflash-serve: shutting down: draining the requests in flight (up to "
+              f"{args.shutdown_grace_s:g} s; a second Ctrl-C stops at once)", flush=True)
+        drained = drain_engines(args.shutdown_grace_s, force)
+        time.sleep(DRAIN_SETTLE_S)  # the streams' last bytes: replica → proxy → client
+        print(f"dflash-serve: drained: {json.dumps(drained)}", flush=True)
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+# After the drain, how long the last chunks of the stopped streams get to pass through Serve's
+# proxy before it is shut down.
+DRAIN_SETTLE_S = 1.0
 
 
 def main(argv: list[str] | None = None) -> int:

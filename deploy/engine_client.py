@@ -11,6 +11,7 @@ from cluster.engine import RequestOutput
 from cluster.engine_loop import LocalEngineClient
 from cluster.engine_types import (
     EngineDeadError,
+    EngineDraining,
     EngineOverloaded,
     EngineSnapshot,
     EngineStepError,
@@ -18,8 +19,8 @@ from cluster.engine_types import (
 )
 from configs.engine import SamplingParams
 
-__all__ = ["EngineClient", "EngineDeadError", "EngineOverloaded", "EngineSnapshot",
-           "EngineStepError", "LocalEngineClient", "RequestTiming"]
+__all__ = ["EngineClient", "EngineDeadError", "EngineDraining", "EngineOverloaded",
+           "EngineSnapshot", "EngineStepError", "LocalEngineClient", "RequestTiming"]
 
 
 class EngineClient(Protocol):

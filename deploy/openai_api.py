@@ -29,6 +29,7 @@ from deploy.detokenizer import TextStream
 from deploy.engine_client import (
     EngineClient,
     EngineDeadError,
+    EngineDraining,
     EngineOverloaded,
     EngineStepError,
     RequestTiming,
@@ -159,6 +160,8 @@ def as_request_error(e: Exception) -> RequestError:
         return value_error(e)
     if isinstance(e, EngineOverloaded):
         return RequestError(str(e), None, "engine_overloaded", 429, "rate_limit_error")
+    if isinstance(e, EngineDraining):
+        return RequestError(str(e), None, "server_shutting_down", 503, "service_unavailable")
     if isinstance(e, EngineDeadError):
         log.warning("engine unavailable: %s", e)
         return RequestError(public_message(str(e)), None, "engine_unavailable", 503,

@@ -24,6 +24,9 @@ MAX_STOP_STRINGS = 4
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Request bodies above this many bytes are a 413 before they are read on (ServeArgs, CLI).
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+# Graceful shutdown: how long requests in flight may run on after SIGTERM (then they end with
+# an error event); also Serve's graceful_shutdown_timeout_s, plus a margin.
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
 
 
 def _absent(v: Any) -> bool:

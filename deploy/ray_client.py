@@ -10,6 +10,8 @@ the requests' queues."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,6 +44,39 @@ DRIVER_NAME_PREFIX = "dflash-driver-"  # named, so operators can find it: ray li
 HEALTH_TIMEOUT_S = 90.0  # above the driver's own probe timeout
 # Streams in flight per driver: its asyncio loop only forwards tokens, so this is generous.
 DRIVER_MAX_CONCURRENCY = 4096
+
+
+# Beyond the grace period, how long a drain may take to report back (its last step, the
+# stopped requests' aborts) before the caller shuts down regardless.
+DRAIN_MARGIN_S = 15.0
+
+
+def drain_engines(grace_s: float, force: threading.Event | None = None) -> list[dict]:
+    """Graceful shutdown's first half for every engine of this Ray cluster (each replica's
+    driver, found by name): no new requests (503), those in flight finish within grace_s or
+    end with an error event. Returns each driver's counts (in_flight, finished, stopped), or
+    {"error": …} for one that did not answer. `force` set: stop waiting at once."""
+    refs, names = [], []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith(DRIVER_NAME_PREFIX):
+            with contextlib.suppress(Exception):  # gone meanwhile
+                actor = ray.get_actor(a["name"], namespace=a["namespace"])
+                refs.append(actor.drain.remote(grace_s))
+                names.append(a["name"])
+    deadline = time.monotonic() + grace_s + DRAIN_MARGIN_S
+    pending = list(refs)
+    while pending and time.monotonic() < deadline and not (force and force.is_set()):
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+    out = []
+    for name, ref in zip(names, refs, strict=True):
+        if ref in pending:
+            out.append({"driver": name, "error": "no answer before the deadline"})
+            continue
+        try:
+            out.append({"driver": name, **ray.get(ref)})
+        except Exception as e:
+            out.append({"driver": name, "error": f"{type(e).__name__}: {e}"[:300]})
+    return out
 
 
 def _unwrap(e: Exception) -> Exception:

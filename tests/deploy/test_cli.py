@@ -65,12 +65,33 @@ def _free_port() -> int:
 
 
 @pytest.mark.ray
+def _stream_events(port: int, max_tokens: int, out: dict) -> None:
+    """One streamed completion; out["events"]: its data lines, parsed ("[DONE]" as is)."""
+    import httpx2 as httpx
+
+    body = {"model": "target", "prompt": "Hello", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}
+    events = out["events"] = []
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                          timeout=120) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    except Exception as e:  # a cut connection: what the drain must prevent
+        out["error"] = f"{type(e).__name__}: {e}"
+
+
 def test_serve_runs_until_sigterm_and_generate_tp2_equals_tp1():
     """`dflash-serve serve` in its own process (its own local Ray cluster): ready banner with a
-    curl, a request through HTTP, SIGTERM → clean exit 0. Then `generate --tp 2` (also its own
-    cluster) gives the in-process tokens."""
+    curl, a request through HTTP. SIGTERM with streams open drains (--shutdown-grace-s 4): a
+    short stream ends with its whole output, long ones with an error event, each with [DONE];
+    a request sent during the drain gets 503; then a clean exit 0. Then `generate --tp 2` (also
+    its own cluster) gives the in-process tokens."""
     import os
     import signal
+    import threading
     import time
 
     import httpx2 as httpx
@@ -80,7 +101,7 @@ def test_serve_runs_until_sigterm_and_generate_tp2_equals_tp1():
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", "--model", str(DEMO / "target"),
          "--draft-model", str(DEMO / "draft"), "--speculative-num-draft-tokens", "5",
-         "--tp", "2", "--device", "cpu", "--port", str(port)],
+         "--tp", "2", "--device", "cpu", "--port", str(port), "--shutdown-grace-s", "4"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines, deadline = [], time.monotonic() + 180
@@ -94,10 +115,33 @@ def test_serve_runs_until_sigterm_and_generate_tp2_equals_tp1():
                              "max_tokens": 6, "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 6
+        # streams open at SIGTERM: one that finishes within the grace period, two that cannot
+        # (1,000 tokens of a 1,024-token model on CPU take far longer than 4 s)
+        streams = [{}, {}, {}]
+        threads = [threading.Thread(target=_stream_events, args=(port, n, out))
+                   for n, out in zip((40, 1000, 1000), streams, strict=True)]
+        for t in threads:
+            t.start()
+        while not all(len(out.get("events", ())) >= 2 for out in streams):
+            assert all(t.is_alive() for t in threads), streams
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        late = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                          json={"model": "target", "prompt": "Hi", "max_tokens": 4})
+        assert late.status_code == 503, late.text
+        assert late.json()["error"]["code"] == "server_shutting_down"
+        for t in threads:
+            t.join(timeout=60)
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, rest[-3000:]
-        assert "shutting down" in rest
+        assert "shutting down" in rest and '"stopped": 2' in rest, rest[-3000:]
+        short, *long = streams
+        assert "error" not in short and short["events"][-1] == "[DONE]"
+        assert short["events"][-2]["choices"][0]["finish_reason"] == "length"
+        for out in long:
+            assert "error" not in out and out["events"][-1] == "[DONE]", out
+            assert out["events"][-2]["error"]["code"] == "server_shutting_down", out
     finally:
         if proc.poll() is None:
             proc.kill()

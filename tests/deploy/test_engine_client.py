@@ -302,3 +302,48 @@ def test_a_restart_runs_requests_that_streamed_nothing_again_once(poison):
     else:
         want = make_engine(draft=False).generate([late], params)[0].output_ids
         assert late_out.output_ids == want and len(restarts) == 1
+
+
+def test_drain_lets_requests_finish_then_refuses_new_ones(client):
+    """A drain with time to spare: the request in flight ends with its whole output; new
+    requests and the health check get EngineDraining (HTTP 503) from then on."""
+    from cluster.engine_types import EngineDraining
+
+    async def run():
+        params = SamplingParams(max_tokens=300, ignore_eos=True)
+        gen = client.generate("a", prompts(1, 5)[0], params)
+        await anext(gen)
+        counts = await client.drain(grace_s=120)
+        rest = [out async for out in gen]
+        assert rest[-1].finished and rest[-1].finish_reason == "length"
+        assert len(rest[-1].output_ids) == 300
+        with pytest.raises(EngineDraining, match="shutting down"):
+            await anext(client.generate("b", [1, 2, 3], SamplingParams()))
+        with pytest.raises(EngineDraining):
+            await client.check_health()
+        await client.check_alive()  # Serve must not replace a draining replica
+        return counts
+
+    counts = asyncio.run(run())  # "a" may have finished before the drain counted it
+    assert counts["stopped"] == 0 and counts["finished"] == counts["in_flight"] <= 1
+    assert_idle(client.engine)
+
+
+def test_drain_past_its_grace_stops_what_still_runs_and_frees_it(client):
+    from cluster.engine_types import EngineDraining
+
+    async def run():
+        params = SamplingParams(max_tokens=900, ignore_eos=True)
+        gens = [client.generate(f"r{i}", p, params) for i, p in enumerate(prompts(2, 6))]
+        firsts = [await anext(g) for g in gens]
+        counts = await client.drain(grace_s=0)
+        for gen, first in zip(gens, firsts, strict=True):
+            got = list(first.new_token_ids)
+            with pytest.raises(EngineDraining, match="stopped before it finished"):
+                async for out in gen:
+                    got += out.new_token_ids
+            assert 0 < len(got) < 900
+        return counts
+
+    assert asyncio.run(run()) == {"in_flight": 2, "finished": 0, "stopped": 2}
+    assert_idle(client.engine)
