@@ -9,7 +9,8 @@ GPU bundles."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import logging
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ray import serve
@@ -18,10 +19,16 @@ from ray.serve import Application
 from cluster.ray_executor import engine_bundles, separate_draft
 from configs.engine import EngineConfig
 from configs.model import TargetConfig
-from deploy.openai_api import build_app
-from deploy.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE_S
+from deploy.openai_api import ApiOptions, build_app
+from deploy.protocol import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_SHUTDOWN_GRACE_S,
+    load_sampling_defaults,
+)
 from deploy.ray_client import DRAIN_MARGIN_S, RayEngineClient
 from deploy.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,9 +70,25 @@ class ServeArgs:
     control_spin_us: int | None = None  # spin before sleeping on it; None: by core count
     attention_backend: str = "auto"  # decode/rounds/draft blocks: "triton" on CUDA, or "torch"
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # SIGTERM: requests in flight run on
+    # API access (deploy/openai_api.py ApiOptions): a Bearer key (None: open; the CLI reads
+    # DFLASH_SERVE_API_KEY), CORS as vLLM's flags
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    # Sampling defaults of requests that leave them out: "auto" the model's
+    # generation_config.json, "vllm" OpenAI's, or a directory (vLLM's --generation-config)
+    generation_config: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or null")
         if not isinstance(self.shutdown_grace_s, (int, float)) or self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be a number >= 0, got "
                              f"{self.shutdown_grace_s!r}")
@@ -109,6 +132,12 @@ class ServeArgs:
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
+    def api_options(self) -> ApiOptions:
+        return ApiOptions(api_key=self.api_key, allowed_origins=tuple(self.allowed_origins),
+                          allowed_methods=tuple(self.allowed_methods),
+                          allowed_headers=tuple(self.allowed_headers),
+                          allow_credentials=self.allow_credentials)
+
     def engine_config(self) -> EngineConfig:
         extra = {}
         if self.max_num_batched_tokens is not None:  # else the engine's default
@@ -145,10 +174,15 @@ class DFlashServer:
             cfg, args.tp, args.model_name,
             max_waiting=args.max_waiting or 4 * args.max_num_seqs)
         self.tokenizer = load_tokenizer(cfg.model)
+        self.defaults = load_sampling_defaults(args.generation_config, cfg.model)
+        log.info("sampling defaults (%s): temperature %g, top_p %g, top_k %d",
+                 self.defaults.source, self.defaults.temperature, self.defaults.top_p,
+                 self.defaults.top_k)
 
     def __serve_build_asgi_app__(self):
         return build_app(self.client, self.tokenizer, shutdown_client=True,
-                         max_request_bytes=self.args.max_request_bytes)
+                         max_request_bytes=self.args.max_request_bytes,
+                         options=self.args.api_options(), defaults=self.defaults)
 
     async def check_health(self) -> None:
         # Only a dead engine fails the replica: a restart after a worker death is the
@@ -165,6 +199,7 @@ def build_deployment(a: ServeArgs, num_replicas: int | None = None) -> Applicati
     # Fail here, in `serve run`, not later in a replica that Serve would restart forever.
     cfg = a.engine_config()
     TargetConfig.from_pretrained(cfg.model).check_tp(a.tp)
+    load_sampling_defaults(a.generation_config, cfg.model)
     options = {"num_replicas": num_replicas} if num_replicas is not None else {}
     # Serve waits this long for a replica's requests when it stops it (serve run's Ctrl-C, a
     # redeploy, a downscale): past the grace period, so a drain (drain_engines) ends first.

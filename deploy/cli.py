@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 
@@ -18,6 +19,20 @@ def _parse_ids(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--prompt-ids must be comma-separated integers: {text!r}") from None
+
+
+API_KEY_ENV = "DFLASH_SERVE_API_KEY"
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as '
+                                         f'\'["http://localhost:3000"]\', got {text!r}')
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests queued for admission before 429 (default 4 x max-num-seqs)")
     s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413 (default 16 MiB)")
+    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require Authorization: Bearer <key> on every route but /health and "
+                        f"/version (default: ${API_KEY_ENV}, else open)")
+    s.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                   help='CORS origins, a JSON list (default ["*"])')
+    s.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                   help='CORS methods, a JSON list (default ["*"])')
+    s.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                   help='CORS headers, a JSON list (default ["*"])')
+    s.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
+    s.add_argument("--generation-config", default="auto",
+                   help="sampling defaults of requests that leave temperature/top_p/top_k "
+                        "out: auto (the model's generation_config.json), vllm (OpenAI's: "
+                        "temperature 1), or a directory holding a generation_config.json")
     s.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
                    help="on SIGTERM or Ctrl-C: seconds the requests in flight may run on "
                         "(new ones get 503); those still running then end with an error "
@@ -191,6 +220,9 @@ def serve_forever(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s,
+        api_key=args.api_key, allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials, generation_config=args.generation_config,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         load_format=args.load_format, draft_placement=args.draft_placement,
         control_channel=args.control_channel, control_spin_us=args.control_spin_us,
@@ -214,8 +246,10 @@ def serve_forever(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name="dflash", route_prefix="/")
         base = f"http://{args.host}:{args.port}"
+        auth = "-H \"Authorization: Bearer $" + API_KEY_ENV + "\" " if args.api_key else ""
         print(f"dflash-serve: serving {sargs.model_name!r} (tp {args.tp}, {device}) at {base}\n"
               f"try:\n  curl {base}/v1/completions -H 'Content-Type: application/json' "
+              f"{auth}"
               f"-d '{{\"model\": \"{sargs.model_name}\", \"prompt\": \"The quick brown fox\", "
               f"\"max_tokens\": 32}}'\nstop with Ctrl-C", flush=True)
         while not stop.wait(1.0):

@@ -1,5 +1,7 @@
-"""The OpenAI-compatible HTTP API over any `EngineClient`: /v1/models, /v1/completions,
-/v1/chat/completions (JSON or SSE), /health, /metrics.
+"""The OpenAI-compatible HTTP API over any `EngineClient`: /v1/models[/{id}],
+/v1/completions, /v1/chat/completions (JSON or SSE), /tokenize, /detokenize (vLLM's),
+/version, /health, /metrics. With an API key, every route but /health and /version needs
+`Authorization: Bearer <key>`; CORS as configured (ApiOptions).
 
 Text lives here, token ids in the engine: prompts are tokenised (chat through the target's
 template), outputs detokenised incrementally, and stop strings cut here (the engine request is
@@ -9,6 +11,7 @@ aborted as soon as one appears).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -16,15 +19,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing, asynccontextmanager, suppress
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from deploy import __version__
 from deploy.detokenizer import TextStream
 from deploy.engine_client import (
     EngineClient,
@@ -37,6 +43,7 @@ from deploy.engine_client import (
 from deploy.metrics import ServingMetrics
 from deploy.protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
+    OPENAI_DEFAULTS,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -47,9 +54,12 @@ from deploy.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     RequestError,
+    SamplingDefaults,
+    TokenizeRequest,
     Usage,
     parse_request,
     value_error,
@@ -182,9 +192,10 @@ MAX_CHARS_PER_TOKEN = 64
 
 class OpenAIServer:
     def __init__(self, client: EngineClient, tokenizer, metrics: ServingMetrics,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 defaults: SamplingDefaults = OPENAI_DEFAULTS):
         self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes, self.defaults = max_request_bytes, defaults
 
     async def _body(self, request: Request) -> bytes:
         """The body, refused with 413 once it is larger than max_request_bytes (by its
@@ -225,7 +236,7 @@ class OpenAIServer:
             try:
                 ids = await asyncio.to_thread(
                     self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                    tokenize=True, return_dict=False)
+                    tokenize=True, return_dict=False, **(req.chat_template_kwargs or {}))
             except Exception as e:
                 raise RequestError(f"the chat template rejected the messages: {e}",
                                    "messages") from None
@@ -270,6 +281,50 @@ class OpenAIServer:
                 f"asks for {requested} more; lower {param}", param, "context_length_exceeded")
         return requested
 
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.client.model_name:
+            raise RequestError(f"the model {model!r} does not exist; this server serves "
+                               f"{self.client.model_name!r}", "model", "model_not_found", 404)
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            req = parse_request(TokenizeRequest, await self._body(request))
+            self._check_model(req.model)
+            if req.messages is not None:
+                self._need_tokenizer("messages")
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+                try:
+                    ids = await asyncio.to_thread(
+                        self.tokenizer.apply_chat_template, messages, tokenize=True,
+                        add_generation_prompt=req.add_generation_prompt, return_dict=False,
+                        **(req.chat_template_kwargs or {}))
+                except Exception as e:
+                    raise RequestError(f"the chat template rejected the messages: {e}",
+                                       "messages") from None
+            else:
+                self._need_tokenizer("prompt")
+                self._check_chars(len(req.prompt), "prompt")
+                ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt,
+                                              add_special_tokens=req.add_special_tokens)
+        except Exception as e:
+            return self.error("tokenize", e)
+        return JSONResponse({"count": len(ids), "max_model_len": self.client.max_model_len,
+                             "tokens": list(ids)})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            req = parse_request(DetokenizeRequest, await self._body(request))
+            self._check_model(req.model)
+            self._need_tokenizer("tokens")
+            vocab = self.client.vocab_size
+            if any(not 0 <= t < vocab for t in req.tokens):
+                raise RequestError(f"tokens must be in [0, {vocab})", "tokens")
+            text = await asyncio.to_thread(self.tokenizer.decode, req.tokens)
+        except Exception as e:
+            return self.error("detokenize", e)
+        return JSONResponse({"prompt": text})
+
     async def create(self, request: Request, chat: bool) -> Response:
         endpoint = "chat_completions" if chat else "completions"
         timing = RequestTiming()
@@ -277,13 +332,11 @@ class OpenAIServer:
         try:
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest,
                                 await self._body(request))
-            if req.model is not None and req.model != self.client.model_name:
-                raise RequestError(f"the model {req.model!r} does not exist; this server serves "
-                                   f"{self.client.model_name!r}", "model", "model_not_found", 404)
+            self._check_model(req.model)
             if req.stop_strings:
                 self._need_tokenizer("stop")
             prompt_ids = await self._prompt_ids(req)
-            params = req.sampling_params(self._max_tokens(req, len(prompt_ids)))
+            params = req.sampling_params(self._max_tokens(req, len(prompt_ids)), self.defaults)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             gen = _Generation(self.client, request_id, prompt_ids, params,
                               TextStream(self.tokenizer, req.stop_strings), timing)
@@ -369,10 +422,30 @@ class OpenAIServer:
                                      len(gen.token_ids), gen.timing, time.monotonic())
 
 
+@dataclass(frozen=True)
+class ApiOptions:
+    """Access to the API: `api_key` (None: open) is required as a Bearer token on every route
+    but /health and /version (load balancers and probes); CORS as in vLLM's flags, every
+    origin allowed by default (a browser cannot send the key to another origin unless listed
+    here, or with "*")."""
+
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+OPEN_PATHS = ("/health", "/version")
+
+
 def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              options: ApiOptions = ApiOptions(),
+              defaults: SamplingDefaults = OPENAI_DEFAULTS) -> FastAPI:
     """The API over `client`; `tokenizer` is the target's (None: token-id prompts only).
-    `shutdown_client`: the app owns the client and shuts it down when the app stops."""
+    `shutdown_client`: the app owns the client and shuts it down when the app stops.
+    `defaults`: the sampling values of requests that leave them out (generation_config)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -382,7 +455,7 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
 
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServingMetrics(client.snapshot)
-    server = OpenAIServer(client, tokenizer, metrics, max_request_bytes)
+    server = OpenAIServer(client, tokenizer, metrics, max_request_bytes, defaults)
     app.state.metrics, app.state.server = metrics, server
 
     @app.exception_handler(StarletteHTTPException)
@@ -390,10 +463,51 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
         err = RequestError(str(exc.detail), None, None, exc.status_code)
         return JSONResponse(err.body(), status_code=exc.status_code)
 
+    if options.api_key is not None:
+        want = f"Bearer {options.api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if request.method != "OPTIONS" and request.url.path not in OPEN_PATHS:
+                got = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(got, want):
+                    err = RequestError("invalid or missing API key: send Authorization: "
+                                       "Bearer <key>", None, "invalid_api_key", 401)
+                    return JSONResponse(err.body(), status_code=401)
+            return await call_next(request)
+
+    # Outermost: preflights are answered before the key check, and errors carry the headers.
+    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                       allow_methods=list(options.allowed_methods),
+                       allow_headers=list(options.allowed_headers),
+                       allow_credentials=options.allow_credentials)
+
+    def card() -> ModelCard:
+        return ModelCard(id=client.model_name, max_model_len=client.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = ModelCard(id=client.model_name, max_model_len=client.max_model_len)
-        return ModelList(data=[card]).model_dump(mode="json")
+        return ModelList(data=[card()]).model_dump(mode="json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != client.model_name:
+            err = RequestError(f"the model {model_id!r} does not exist; this server serves "
+                               f"{client.model_name!r}", "model", "model_not_found", 404)
+            return JSONResponse(err.body(), status_code=404)
+        return JSONResponse(card().model_dump(mode="json"))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await server.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await server.detokenize(request)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from configs.engine import SamplingParams
 
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature 0 for greedy decoding
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, unless generation_config.json has one
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (1/T would overflow the logits)
 MAX_STOP_STRINGS = 4
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -27,6 +29,47 @@ DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 # Graceful shutdown: how long requests in flight may run on after SIGTERM (then they end with
 # an error event); also Serve's graceful_shutdown_timeout_s, plus a margin.
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves temperature, top_p or top_k out gets."""
+
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = 1.0
+    top_k: int = 0
+    source: str = "OpenAI's defaults"
+
+
+OPENAI_DEFAULTS = SamplingDefaults()
+GENERATION_CONFIGS = ("auto", "vllm")  # or a directory holding generation_config.json
+
+
+def load_sampling_defaults(generation_config: str, model_dir: str) -> SamplingDefaults:
+    """vLLM's --generation-config: "auto" takes temperature, top_p and top_k from the model's
+    generation_config.json where it sets them; "vllm" ignores the file; a directory: its
+    generation_config.json. A missing file gives OpenAI's defaults; a broken one raises
+    ValueError naming it."""
+    if generation_config == "vllm":
+        return SamplingDefaults()
+    folder = Path(model_dir if generation_config == "auto" else generation_config)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if generation_config != "auto":
+            raise ValueError(f"generation_config: {path} does not exist")
+        return SamplingDefaults()
+    try:
+        raw = json.loads(path.read_text())
+        base = SamplingDefaults()
+        got = {k: raw[k] for k in ("temperature", "top_p", "top_k") if raw.get(k) is not None}
+        out = SamplingDefaults(
+            temperature=float(got.get("temperature", base.temperature)),
+            top_p=float(got.get("top_p", base.top_p)), top_k=int(got.get("top_k", base.top_k)),
+            source=f"{path}" if got else base.source)
+        SamplingParams(temperature=out.temperature, top_p=out.top_p, top_k=out.top_k)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"generation_config: {path} is not usable: {e}") from None
+    return out
 
 
 def _absent(v: Any) -> bool:
@@ -56,7 +99,7 @@ UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "pres
                # vLLM's extensions
                "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "guided_decoding_backend", "structured_outputs", "repetition_penalty", "min_p",
-               "min_tokens", "chat_template_kwargs", "use_beam_search", "length_penalty",
+               "min_tokens", "use_beam_search", "length_penalty",
                "prompt_logprobs", "allowed_token_ids", "bad_words", "logits_processors")
 NEUTRAL = (None, False, 0, {}, [])
 NO_OP = {"repetition_penalty": 1, "length_penalty": 1}
@@ -111,14 +154,15 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+    def sampling_params(self, max_tokens: int,
+                        defaults: SamplingDefaults = OPENAI_DEFAULTS) -> SamplingParams:
+        temperature = defaults.temperature if self.temperature is None else self.temperature
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=0.0 if 0 <= temperature < GREEDY_BELOW else temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0, seed=self.seed,
+                top_p=defaults.top_p if self.top_p is None else self.top_p,
+                top_k=defaults.top_k if self.top_k is None else self.top_k, seed=self.seed,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=bool(self.ignore_eos))
         except ValueError as e:
@@ -156,13 +200,28 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+# Arguments the server itself passes to the chat template; chat_template_kwargs may not set them.
+TEMPLATE_RESERVED = ("conversation", "messages", "tokenize", "return_dict",
+                     "add_generation_prompt", "continue_final_message")
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    for key in kwargs or {}:
+        if key in TEMPLATE_RESERVED:
+            raise RequestError(f"chat_template_kwargs may not set {key!r} (the server sets it)",
+                               f"chat_template_kwargs.{key}")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # extra variables for the chat template (vLLM's; e.g. Qwen3.5's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = None  # wins over max_tokens; None → rest of context
 
     def check(self) -> None:
         super().check()
+        check_template_kwargs(self.chat_template_kwargs)
         fmt = (self.model_extra or {}).get("response_format")
         if fmt not in (None, {"type": "text"}):
             raise RequestError("response_format is not supported by this server",
@@ -173,6 +232,34 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a text prompt, or chat messages through the template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt: the tokenizer's BOS/EOS rules
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
+    chat_template_kwargs: dict[str, Any] | None = None  # messages: as in chat completions
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give exactly one of prompt and messages", "prompt")
+        check_template_kwargs(self.chat_template_kwargs)
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+    def check(self) -> None:
+        pass
 
 
 # A JSON escape of a UTF-16 surrogate (\ud800-\udfff): only then can a string hold a lone one.

@@ -49,6 +49,7 @@ DRIVER_MAX_CONCURRENCY = 4096
 # Beyond the grace period, how long a drain may take to report back (its last step, the
 # stopped requests' aborts) before the caller shuts down regardless.
 DRAIN_MARGIN_S = 15.0
+RESPAWN_ATTEMPTS = 2  # new drivers tried after one dies, before the replica gives up
 
 
 def drain_engines(grace_s: float, force: threading.Event | None = None) -> list[dict]:
@@ -91,7 +92,14 @@ def _unwrap(e: Exception) -> Exception:
 
 
 class RayEngineClient:
-    def __init__(self, driver, info: dict, pg, owns_pg: bool):
+    """If the driver dies, a new one starts in the same placement group (its actors died with
+    it: Ray ends the actors an actor created when it dies). Requests in flight fail (503);
+    new ones wait for the new driver, as they wait out an engine restart; /health is 503
+    meanwhile and `check_alive` passes, so Serve does not replace the replica. If the new
+    driver cannot start either, requests get 503, `check_alive` fails and Serve replaces the
+    replica."""
+
+    def __init__(self, driver, info: dict, pg, owns_pg: bool, spawn_args: tuple | None = None):
         self.driver = driver
         self.model_name: str = info["model_name"]
         self.max_model_len: int = info["max_model_len"]
@@ -101,6 +109,11 @@ class RayEngineClient:
         self._snapshot: EngineSnapshot | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._dead: Exception | None = None  # the stream broke: the driver is gone
+        self._spawn_args = spawn_args  # EngineDriver's arguments, for a new driver
+        self._respawning: asyncio.Task | None = None
+        self._respawn_failed = False
+        self._closing = False
+        self.driver_restarts = 0
         self._reader = asyncio.create_task(self._read_stream())
 
     @classmethod
@@ -114,22 +127,57 @@ class RayEngineClient:
         if owns_pg:
             pg = placement_group(engine_bundles(tp, use_gpu, separate_draft(cfg)),
                                  strategy="STRICT_PACK")
+        args = (cfg, tp, model_name, max_waiting, pg, use_gpu, step_timeout_s)
         try:
             await pg.ready()
-            driver = ray.remote(EngineDriver).options(
-                name=f"{DRIVER_NAME_PREFIX}{uuid.uuid4().hex[:12]}", num_cpus=0,
-                max_concurrency=DRIVER_MAX_CONCURRENCY, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=0),
-            ).remote(cfg, tp, model_name, max_waiting, pg, use_gpu, step_timeout_s)
-            info = await driver.start.remote()
+            driver, info = await cls._spawn(pg, args)
         except Exception as e:
             if owns_pg:
                 remove_placement_group(pg)
             raise _unwrap(e) from None
-        client = cls(driver, info, pg, owns_pg)
+        client = cls(driver, info, pg, owns_pg, args)
         await client.refresh()
         return client
+
+    @staticmethod
+    async def _spawn(pg, args: tuple):
+        """A driver in bundle 0 of `pg`, started (its engine loaded and warm)."""
+        driver = ray.remote(EngineDriver).options(
+            name=f"{DRIVER_NAME_PREFIX}{uuid.uuid4().hex[:12]}", num_cpus=0,
+            max_concurrency=DRIVER_MAX_CONCURRENCY, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=0),
+        ).remote(*args)
+        try:
+            return driver, await driver.start.remote()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ray.kill(driver, no_restart=True)
+            raise
+
+    async def _respawn(self, cause: Exception) -> None:
+        """A new driver for the one whose stream broke; requests get 503 meanwhile."""
+        self._dead = EngineDeadError(f"the engine is restarting after its driver failed "
+                                     f"({cause})")
+        with contextlib.suppress(Exception):
+            ray.kill(self.driver, no_restart=True)
+        error: Exception | None = None
+        for _ in range(RESPAWN_ATTEMPTS):
+            try:
+                driver, _info = await self._spawn(self.pg, self._spawn_args)
+                break
+            except Exception as e:
+                error = _unwrap(e)
+        else:
+            self._respawn_failed = True
+            self._dead = EngineDeadError(f"the engine driver failed ({cause}) and a new one "
+                                         f"did not start: {error}")
+            return
+        self.driver, self.driver_restarts = driver, self.driver_restarts + 1
+        self._dead = None
+        self._reader = asyncio.create_task(self._read_stream())
+        with contextlib.suppress(Exception):
+            await self.refresh()
 
     async def _read_stream(self) -> None:
         # Backpressure of one batch: while this task is behind, the driver's batches
@@ -152,9 +200,14 @@ class RayEngineClient:
         self._dead = error
         for q in self._queues.values():
             q.put_nowait(error)
+        if not self._closing and self._spawn_args is not None:
+            self._respawning = asyncio.create_task(self._respawn(error))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
+        if self._respawning is not None and not self._respawning.done():
+            # a new driver is starting: wait for it, as requests wait out an engine restart
+            await asyncio.shield(self._respawning)
         if self._dead is not None:
             raise self._dead
         if request_id in self._queues:
@@ -212,12 +265,22 @@ class RayEngineClient:
             raise _unwrap(e) from None
 
     async def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
         await self._call("check_health")
 
     async def check_alive(self) -> None:
+        """Passes while a new driver starts; fails once that failed."""
+        if self._respawn_failed:
+            raise self._dead
+        if self._respawning is not None and not self._respawning.done():
+            return
         await self._call("check_alive")
 
     async def shutdown(self) -> None:
+        self._closing = True
+        if self._respawning is not None:
+            self._respawning.cancel()
         self._reader.cancel()
         try:
             await asyncio.wait_for(self.driver.shutdown.remote(), 60)

@@ -81,9 +81,9 @@ def catalogue(model: str) -> list[tuple[str, str, bytes]]:
     ]
     for name, msgs in messages:
         cases.append((name, chat, body({"model": model, "messages": msgs})))
-    cases.append(("chat_template_kwargs", chat, body({
+    cases.append(("chat_template_kwargs not an object", chat, body({
         "model": model, "messages": [{"role": "user", "content": "x"}],
-        "chat_template_kwargs": {"enable_thinking": False}})))
+        "chat_template_kwargs": "enable_thinking=false"})))
     cases.append(("response_format json", chat, body({
         "model": model, "messages": [{"role": "user", "content": "x"}],
         "response_format": {"type": "json_object"}})))

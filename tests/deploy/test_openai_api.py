@@ -308,7 +308,9 @@ BAD_CHATS = [
     ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content",
      None),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-      "chat_template_kwargs": {"enable_thinking": False}}, 400, "chat_template_kwargs", None),
+      "chat_template_kwargs": "enable_thinking"}, 400, "chat_template_kwargs", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs.tokenize", None),
 ]
 
 

@@ -263,6 +263,31 @@ def test_killed_actor_fails_its_request_and_the_engine_recovers(app, oai, role, 
     wait_idle(app)
 
 
+def test_killed_driver_is_replaced_inside_the_replica(app, oai):
+    """The driver actor killed mid-stream: the stream ends with a clear 503-class error, the
+    replica starts a new driver in its placement group (Serve does not have to replace the
+    replica), and a request sent meanwhile waits for it and is exact."""
+    driver = driver_handle()
+    old = driver._actor_id
+    stream = oai.completions.create(model=MODEL, prompt="doomed", max_tokens=900, stream=True,
+                                    extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)
+    ray.kill(driver)
+    with pytest.raises(openai.APIError) as e:
+        for _ in it:
+            pass
+    assert e.value.body["code"] == "engine_unavailable"
+    # sent while the new driver starts: it waits for it, as requests wait out a restart
+    r = oai.completions.create(model=MODEL, prompt="after the driver", max_tokens=20, **GREEDY,
+                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    wait_healthy(app)
+    assert driver_handle()._actor_id != old  # one driver again, a new one
+    (want,) = target_only(app, [r.model_extra["prompt_token_ids"]], [20])
+    assert r.choices[0].model_extra["token_ids"] == want
+    wait_idle(app)
+
+
 def test_dead_draft_is_found_by_the_health_probe(app, oai):
     driver = driver_handle()
     restarts = ray.get(driver.restarts.remote())
