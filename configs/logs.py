@@ -21,3 +21,16 @@ def setup_logging() -> None:
             logger.addHandler(handler)
             logger.setLevel(level)
             logger.propagate = False
+
+
+def setup_logging_if_actor() -> None:
+    """setup_logging in a Ray actor's process (the TP workers, the draft: their loading and
+    start-up lines); nothing in process, where the caller owns logging."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        setup_logging()

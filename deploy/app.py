@@ -26,7 +26,7 @@ from deploy.protocol import (
     load_sampling_defaults,
 )
 from deploy.ray_client import DRAIN_MARGIN_S, RayEngineClient
-from deploy.tokenizer import load_tokenizer
+from deploy.tokenizer import chat_template_text, load_tokenizer, with_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,14 @@ class ServeArgs:
     model: str
     draft_model: str | None = None
     tp: int = 1
-    speculative_algorithm: str | None = None  # "dflash" (implied by draft_model)
-    speculative_dflash_block_size: int | None = None  # B; overrides num_draft_tokens (= B − 1)
-    speculative_num_draft_tokens: int | None = None  # K → B = K + 1
+    speculative_algorithm: str | None = None  # "dflash", any case (implied by draft_model)
+    # B: the verify block (the anchor + B − 1 proposed tokens); None → the draft's own
+    speculative_dflash_block_size: int | None = None
+    # K: the tokens the draft proposes per round, so B = K + 1 (vLLM's num_speculative_tokens;
+    # NOT SGLang's --speculative-num-draft-tokens, which counts B). Must agree with B if both.
+    speculative_num_draft_tokens: int | None = None
+    # vLLM's --speculative-config: {"method": "dflash", "model": …, "num_speculative_tokens": K}
+    speculative_config: dict | None = None
     device: str = "cuda"
     dtype: str | None = None  # None → bfloat16 on cuda, float32 on cpu
     served_model_name: str | None = None  # None → the model directory's name
@@ -80,6 +85,8 @@ class ServeArgs:
     # Sampling defaults of requests that leave them out: "auto" the model's
     # generation_config.json, "vllm" OpenAI's, or a directory (vLLM's --generation-config)
     generation_config: str = "auto"
+    # a Jinja chat template (or a file holding one) instead of the tokenizer's
+    chat_template: str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +101,10 @@ class ServeArgs:
                              f"{self.shutdown_grace_s!r}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.speculative_config is not None:
+            self._merge_speculative_config(self.speculative_config)
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", None)
         algo = self.speculative_algorithm
         if algo is not None and algo.lower() != "dflash":
             raise ValueError(f"speculative_algorithm must be 'dflash', got {algo!r}")
@@ -102,10 +113,53 @@ class ServeArgs:
         k = self.speculative_num_draft_tokens
         if k is not None and k < 1:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {k}")
+        b = self.speculative_dflash_block_size
+        if k is not None and b is not None and k + 1 != b:
+            raise ValueError(
+                f"speculative_num_draft_tokens {k} contradicts speculative_dflash_block_size "
+                f"{b}: here K counts the proposed tokens, so B = K + 1 (give one of them)")
         if self.max_waiting is not None and self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+
+    def _merge_speculative_config(self, spec: dict) -> None:
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {spec!r}")
+        unknown = sorted(set(spec) - {"method", "model", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported keys {unknown} (known: method, "
+                             f"model, num_speculative_tokens)")
+        for key, name in (("method", "speculative_algorithm"), ("model", "draft_model"),
+                          ("num_speculative_tokens", "speculative_num_draft_tokens")):
+            if key not in spec:
+                continue
+            mine = getattr(self, name)
+            value = spec[key]
+            same = mine is None or (str(mine).lower() == str(value).lower() if key == "method"
+                                    else mine == value)
+            if not same:
+                raise ValueError(f"speculative_config.{key} {value!r} contradicts {name} "
+                                 f"{mine!r}")
+            object.__setattr__(self, name, value)
+
+    def check_draft_block(self) -> None:
+        """Refuses a K (speculative_num_draft_tokens) whose block B = K + 1 is larger than the
+        one the draft was trained for: SGLang's flag of the same name counts B, so its users'
+        K is one too many."""
+        k = self.speculative_num_draft_tokens
+        if k is None or not self.draft_model or self.speculative_dflash_block_size is not None:
+            return
+        from draft.config import DraftConfig
+
+        trained = DraftConfig.from_pretrained(_resolve_path(self.draft_model)).block_size
+        if k + 1 > trained:
+            raise ValueError(
+                f"speculative_num_draft_tokens {k} makes verify blocks of {k + 1}, but the draft "
+                f"was trained for blocks of {trained}. Here K counts only the proposed tokens "
+                f"(B = K + 1, as vLLM's num_speculative_tokens); SGLang's "
+                f"--speculative-num-draft-tokens counts B. Pass {trained - 1}, or "
+                f"--speculative-dflash-block-size {trained}")
 
     @classmethod
     def from_dict(cls, args: dict) -> ServeArgs:
@@ -173,7 +227,7 @@ class DFlashServer:
         self.client = await RayEngineClient.start(
             cfg, args.tp, args.model_name,
             max_waiting=args.max_waiting or 4 * args.max_num_seqs)
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = with_chat_template(load_tokenizer(cfg.model), args.chat_template)
         self.defaults = load_sampling_defaults(args.generation_config, cfg.model)
         log.info("sampling defaults (%s): temperature %g, top_p %g, top_k %d",
                  self.defaults.source, self.defaults.temperature, self.defaults.top_p,
@@ -199,6 +253,8 @@ def build_deployment(a: ServeArgs, num_replicas: int | None = None) -> Applicati
     # Fail here, in `serve run`, not later in a replica that Serve would restart forever.
     cfg = a.engine_config()
     TargetConfig.from_pretrained(cfg.model).check_tp(a.tp)
+    a.check_draft_block()
+    chat_template_text(a.chat_template)
     load_sampling_defaults(a.generation_config, cfg.model)
     options = {"num_replicas": num_replicas} if num_replicas is not None else {}
     # Serve waits this long for a replica's requests when it stops it (serve run's Ctrl-C, a

@@ -24,6 +24,16 @@ def _parse_ids(text: str) -> list[int]:
 API_KEY_ENV = "DFLASH_SERVE_API_KEY"
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _json_list(text: str) -> list[str]:
     try:
         value = json.loads(text)
@@ -63,20 +73,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the OpenAI API with Ray Serve, until SIGINT/SIGTERM")
     s.add_argument("--model", required=True, help="target checkpoint directory")
-    s.add_argument("--draft-model", help="DFlash draft checkpoint directory")
-    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per engine)")
-    s.add_argument("--speculative-algorithm", choices=["dflash"],
-                   help="implied by --draft-model")
+    s.add_argument("--draft-model", "--speculative-draft-model",
+                   "--speculative-draft-model-path", dest="draft_model",
+                   help="DFlash draft checkpoint directory")
+    s.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel size (GPUs per engine)")
+    s.add_argument("--speculative-algorithm",
+                   help="dflash (any case; implied by --draft-model)")
     s.add_argument("--speculative-dflash-block-size", type=int,
-                   help="verify block size B; overrides --speculative-num-draft-tokens (B-1)")
+                   help="verify block size B (the anchor + B-1 proposed tokens); default: the "
+                        "draft's")
     s.add_argument("--speculative-num-draft-tokens", type=int,
-                   help="proposed tokens K per round (B = K+1); default: the draft's block - 1")
+                   help="K, the tokens proposed per round: B = K+1 (vLLM's "
+                        "num_speculative_tokens; SGLang's flag of this name counts B). "
+                        "Refused if it contradicts the block size or exceeds the draft's")
+    s.add_argument("--speculative-config", type=_json_object,
+                   help='vLLM\'s form: \'{"method": "dflash", "model": DIR, '
+                        '"num_speculative_tokens": K}\'')
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--device", choices=["cpu", "cuda"],
                    help="default: cuda when this machine has a GPU, else cpu")
-    s.add_argument("--dtype", choices=["float32", "bfloat16"],
-                   help="default: bfloat16 on cuda, float32 on cpu")
+    s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: bfloat16 on cuda, float32 on cpu")
+    s.add_argument("--seed", type=int, default=0,
+                   help="seeds the sampling of requests that bring no seed")
+    s.add_argument("--chat-template",
+                   help="a Jinja chat template, or a file holding one, instead of the "
+                        "tokenizer's")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of Ray Serve's HTTP proxy and replicas")
     s.add_argument("--served-model-name", help="the API's model id (default: the model dir name)")
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-model-len", type=int)
@@ -202,16 +229,14 @@ def _init_ray(address: str | None, tp: int) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, tp), include_dashboard=False)
 
 
-def serve_forever(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
+def serve_args(args: argparse.Namespace):
+    """The `serve` flags as the app's ServeArgs (ValueError naming a bad one)."""
     import torch
 
-    from deploy.app import ServeArgs, build_deployment
+    from deploy.app import ServeArgs
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    sargs = ServeArgs(
+    return ServeArgs(
         model=args.model, draft_model=args.draft_model, tp=args.tp,
         speculative_algorithm=args.speculative_algorithm,
         speculative_dflash_block_size=args.speculative_dflash_block_size,
@@ -223,10 +248,22 @@ def serve_forever(args: argparse.Namespace) -> int:
         api_key=args.api_key, allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         allow_credentials=args.allow_credentials, generation_config=args.generation_config,
+        speculative_config=args.speculative_config, seed=args.seed,
+        chat_template=args.chat_template,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         load_format=args.load_format, draft_placement=args.draft_placement,
         control_channel=args.control_channel, control_spin_us=args.control_spin_us,
         attention_backend=args.attention_backend)
+
+
+def serve_forever(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from deploy.app import build_deployment
+
+    sargs = serve_args(args)
+    device = sargs.device
     app = build_deployment(sargs, num_replicas=args.num_replicas)  # ValueError: bad args
 
     import ray
@@ -243,7 +280,9 @@ def serve_forever(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(sig, on_signal)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        level = "DEBUG" if args.uvicorn_log_level == "trace" else args.uvicorn_log_level.upper()
+        serve.start(http_options={"host": args.host, "port": args.port},
+                    logging_config={"log_level": level})
         serve.run(app, name="dflash", route_prefix="/")
         base = f"http://{args.host}:{args.port}"
         auth = "-H \"Authorization: Bearer $" + API_KEY_ENV + "\" " if args.api_key else ""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from configs.engine import EngineConfig
+from configs.logs import setup_logging_if_actor
 from draft.model import DFlashDraftModel, set_block_attention
 from draft.proposer import DraftRunner
 from target.loader import load_embedding_and_head
@@ -29,6 +30,7 @@ class DraftWorker(StepLoopEnds):
                  lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  device: torch.device | None = None):
         super().__init__()
+        setup_logging_if_actor()
         self.cfg, self.block_size = cfg, block_size
         on_gpu = cfg.device.startswith("cuda")
         self.device = device or (torch.device("cuda", 0) if on_gpu else torch.device("cpu"))

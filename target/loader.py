@@ -22,7 +22,7 @@ from target.distributed import SINGLE, TPGroup
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.layers.gdn import IN_PROJ_PARTS
 from target.model import Qwen3_5MoeForCausalLM
-from target.weights import SafetensorsSource, WeightSource, read_safetensors
+from target.weights import SafetensorsSource, ShardProgress, WeightSource, read_safetensors
 
 SKIP_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -84,8 +84,14 @@ def load_weights(model: Qwen3_5MoeForCausalLM, model_dir: str | Path) -> None:
     cfg = model.config
     params = dict(model.named_parameters())
     loaded: dict[str, set] = {}
+    files = checkpoint_files(model_dir)
+    device = next(model.parameters()).device
+    progress = ShardProgress("the target", files,
+                             f"{device}, TP rank {model.tp.rank} of {model.tp.size}")
     with ExitStack() as stack:
-        for path in checkpoint_files(model_dir):
+        for i, path in enumerate(files):
+            if i:
+                progress.shard_done(i - 1)
             handle = stack.enter_context(read_safetensors(path))
             for key in handle.keys():
                 target = param_target(key)
@@ -102,6 +108,8 @@ def load_weights(model: Qwen3_5MoeForCausalLM, model_dir: str | Path) -> None:
                 if cfg.tie_word_embeddings and name == "model.embed_tokens.weight":
                     _load_one(params["lm_head.weight"], SafetensorsSource(key, handle, key), None)
                     loaded.setdefault("lm_head.weight", set()).add(None)
+        progress.shard_done(len(files) - 1)
+    progress.finish()
     missing = []
     for name in params:
         got = loaded.get(name, set())

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from configs.engine import EngineConfig, SamplingParams
+from configs.logs import setup_logging_if_actor
 from target.distributed import TPGroup
 from target.kernels import fused
 from target.layers.attention import set_round_attention
@@ -46,6 +47,7 @@ class TargetWorker(StepLoopEnds):
         """`aux_ring_rows` > 0 (rank 0 under Ray, with a draft): aux features go to the draft
         through a ring of that many rows per slot, shared once at start-up."""
         super().__init__()
+        setup_logging_if_actor()
         self.cfg, self.rank, self.tp = cfg, rank, tp
         self.aux_layer_ids = aux_layer_ids
         self.aux_ring_rows = aux_ring_rows if rank == 0 and aux_layer_ids else 0

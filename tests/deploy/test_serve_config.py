@@ -3,6 +3,7 @@ ServeArgs, and the demo config builds an application (nothing is deployed)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from configs.engine import EngineConfig
 from deploy.app import DFlashServer, ServeArgs, app_builder
+from draft.config import DraftConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -45,9 +47,9 @@ def test_serve_args_errors_name_the_field(tiny_demo):
         ServeArgs(model=target, speculative_algorithm="dflash")
     with pytest.raises(ValueError, match="tp"):
         app_builder({"model": target, "tp": 3, "device": "cpu"})  # tiny heads split by 1/2/4
-    # the block size overrides the number of draft tokens; K alone gives B = K + 1
-    assert ServeArgs(model=target, speculative_dflash_block_size=8,
-                     speculative_num_draft_tokens=3).block_size == 8
+    # K alone gives B = K + 1; both must agree
+    assert ServeArgs(model=target, speculative_dflash_block_size=4,
+                     speculative_num_draft_tokens=3).block_size == 4
     assert ServeArgs(model=target, speculative_num_draft_tokens=3).block_size == 4
 
 
@@ -80,3 +82,81 @@ def test_attention_backend_reaches_the_engine_and_resolves_per_device(tiny_demo,
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend 'triton'"):
         EngineConfig(model=target, device="cpu", attention_backend="triton")
+
+
+def test_the_speculative_flags_of_vllm_sglang_and_lmdeploy(tiny_demo):
+    """--speculative-algorithm in any case, --speculative-config (vLLM), K = B − 1 with both
+    given only if they agree, and a K one too many for the draft refused with the reason."""
+    from deploy.cli import build_parser
+
+    target, draft = map(str, tiny_demo)
+    a = ServeArgs(model=target, draft_model=draft, speculative_algorithm="DFLASH")
+    assert a.engine_config().draft_model is not None
+    v = ServeArgs(model=target, speculative_config={"method": "dflash", "model": draft,
+                                                    "num_speculative_tokens": 3})
+    assert (v.draft_model, v.block_size) == (draft, 4)
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        ServeArgs(model=target, draft_model=target, speculative_config={"model": draft})
+    with pytest.raises(ValueError, match="unsupported keys"):
+        ServeArgs(model=target, speculative_config={"method": "eagle", "draft_tp": 1})
+    with pytest.raises(ValueError, match="contradicts speculative_dflash_block_size"):
+        ServeArgs(model=target, draft_model=draft, speculative_num_draft_tokens=16,
+                  speculative_dflash_block_size=16)
+    trained = DraftConfig.from_pretrained(draft).block_size
+    ServeArgs(model=target, draft_model=draft,
+              speculative_num_draft_tokens=trained - 1).check_draft_block()
+    with pytest.raises(ValueError, match=f"trained for blocks of {trained}.*SGLang"):
+        ServeArgs(model=target, draft_model=draft,
+                  speculative_num_draft_tokens=trained).check_draft_block()
+    assert ServeArgs(model=target, dtype="auto", device="cpu").engine_config().dtype == "float32"
+
+    args = build_parser().parse_args([
+        "serve", "--model", target, "-tp", "2", "--speculative-draft-model", draft,
+        "--speculative-config", '{"num_speculative_tokens": 3}', "--seed", "7"])
+    assert (args.tp, args.draft_model, args.speculative_config, args.seed) == (
+        2, draft, {"num_speculative_tokens": 3}, 7)
+    assert build_parser().parse_args(["serve", "--model", target, "--tensor-parallel-size",
+                                      "4", "--speculative-draft-model-path", draft]).tp == 4
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path):
+    from deploy.tokenizer import chat_template_text, load_tokenizer, with_chat_template
+
+    inline = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (tmp_path / "t.jinja").write_text(inline)
+    assert chat_template_text(str(tmp_path / "t.jinja")) == inline == chat_template_text(inline)
+    with pytest.raises(ValueError, match="not a valid Jinja"):
+        chat_template_text("{% for m in messages %}")
+    tok = with_chat_template(load_tokenizer(str(Path(__file__).parents[1] / "assets/tiny/target")),
+                             str(tmp_path / "t.jinja"))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
+
+
+def test_the_documented_command_lines_of_other_stacks_parse_and_check(tiny_demo, tmp_path,
+                                                                       monkeypatch):
+    """docs/DEPLOYMENT.md's vLLM / SGLang / lmdeploy lines, with the tiny pair for M and D:
+    parsed, turned into ServeArgs and checked as `serve run` would (nothing started)."""
+    import re
+    import shlex
+
+    from deploy.app import build_deployment
+    from deploy.cli import build_parser, serve_args
+
+    target, draft = map(str, tiny_demo)
+    trained = DraftConfig.from_pretrained(draft).block_size
+    doc = (Path(__file__).parents[2] / "docs" / "DEPLOYMENT.md").read_text()
+    block = doc.split("The same server as other stacks spell it")[1].split("```")[1]
+    commands = [c for c in re.sub(r"\\\n\s*", "", block).splitlines() if c.startswith("dflash")]
+    assert len(commands) == 3
+    (tmp_path / "template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KEY", "k")
+    for line in commands:
+        line = line.replace('"$KEY"', "k").replace(" M ", f" {target} ").replace(
+            '"D"', json.dumps(draft)).replace(" D ", f" {draft} ")
+        # the tiny draft's block, where the lines give the 35B draft's 16 (K = 15)
+        line = line.replace("16", str(trained)).replace("15", str(trained - 1))
+        argv = shlex.split(line)[1:] + ["--device", "cpu"]
+        sargs = serve_args(build_parser().parse_args(argv))
+        build_deployment(sargs)  # engine config, TP, draft block and chat template checks
+        assert sargs.draft_model == draft and sargs.block_size == trained

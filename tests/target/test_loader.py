@@ -341,3 +341,42 @@ def test_layer_types_must_match_num_layers(tiny_models):
     raw = {**_flat(tiny_models), "num_hidden_layers": 6}
     with raises("layer_types has 8 entries but num_hidden_layers is 6"):
         TargetConfig.from_dict(raw)
+
+
+def test_loading_reports_its_progress_and_what_it_loaded(tmp_path):
+    """Off a terminal (Ray actors' logs): a line per shard of a sharded checkpoint, then one
+    summary line with the files, bytes, time and where the weights went."""
+    import logging
+    from pathlib import Path
+
+    from target.loader import load_target
+    from target.weights import ShardProgress
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("target.weights")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        demo = Path(__file__).resolve().parents[1] / "assets" / "tiny" / "target"
+        load_target(demo)
+        (summary,) = [line for line in lines if line.startswith("loaded")]
+        assert f"loaded the target from {demo}: 1 file(s)" in summary
+        assert "TP rank 0 of 1" in summary
+
+        lines.clear()
+        files = [tmp_path / f"model-0000{i}.safetensors" for i in (1, 2)]
+        for f in files:
+            f.write_bytes(b"x" * 1000)
+        progress = ShardProgress("a test", files, "cpu")
+        progress.shard_done(0)
+        progress.shard_done(1)
+        progress.finish()
+        assert [line.split(" (")[0] for line in lines[:2]] == [
+            "loading a test: shard 1/2", "loading a test: shard 2/2"]
+        assert lines[2].startswith(f"loaded a test from {tmp_path}: 2 file(s)")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
