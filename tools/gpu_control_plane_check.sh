@@ -4,6 +4,7 @@
 #   tests    the GPU tests of the cluster path (CUDA-IPC ring with its release counter, the
 #            engine on Ray actors over the control channel), the CUDA graph runners, the channel
 #   inproc   bench/engine.py in process: batch 1 and 8, B = 16, real 35B-A3B shapes, dummy weights
+#   inproc_torch  the same with --attention torch (the paged attention's baseline)
 #   cluster  the same through the cluster path (--tp 1: Ray actors, step loops, the channel)
 #   hops     bench/control_plane.py on the tiny pair: each hop of the control plane
 #   serve    `dflash-serve serve --load-format dummy` on the 35B-A3B architecture (the tiny
@@ -12,7 +13,8 @@
 # Usage: ../shared/tools/device-wheels.sh --ray   (fla, Ray Serve) and the openai client's
 #        wheels into .whl/; the device tool: carry .whl
 #        OUT=/some/dir bash tools/gpu_control_plane_check.sh [tests inproc cluster hops serve]
-# (timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SERVE_TIMEOUT seconds; BENCH_ITERS, SERVE_PROMPTS)
+# (timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SERVE_TIMEOUT seconds; BENCH_ITERS, SERVE_PROMPTS;
+#  SERVE_ONLY=spec skips the AR server)
 set -u
 OUT=${OUT:-/tmp/gpu_control_plane_check}; mkdir -p "$OUT"
 . tools/device_env.sh  # .whl/ → /tmp/site, PYTHONPATH
@@ -55,6 +57,9 @@ tests)
 inproc)
   timeout ${BENCH_TIMEOUT:-300} python3 -m bench.engine $BENCH --out "$OUT/engine_inproc.json" \
     2>&1 | tee "$OUT/bench_inproc.log" | grep -v "falling back" | tail -4 ;;
+inproc_torch)  # the same with the torch attention (gathered pages): the kernel's baseline
+  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.engine $BENCH --attention torch \
+    --out "$OUT/engine_inproc_torch.json" 2>&1 | grep -v "falling back" | tail -4 ;;
 cluster)
   timeout ${BENCH_TIMEOUT:-300} python3 -m bench.engine $BENCH --tp 1 \
     --out "$OUT/engine_tp1.json" 2>&1 | tee "$OUT/bench_tp1.log" | grep -v "falling back" \
@@ -68,6 +73,6 @@ import json; r = json.load(open('$OUT/control_plane.json'))['results']
 for g in r.values():
     for k, v in g.items(): print(f'{k:24s} {v[\"median_ms\"]:8.3f} ms  (p90 {v[\"p90_ms\"]:.3f})')" ;;
 serve)
-  serve_and_measure ar
+  [ "${SERVE_ONLY:-}" = spec ] || serve_and_measure ar
   serve_and_measure spec --draft-model /tmp/dummy_35b/draft --speculative-dflash-block-size 16 ;;
 esac; done
