@@ -42,54 +42,86 @@ def _resolve_path(path: str) -> str:
     return str((REPO / p).resolve()) if (REPO / p).exists() else path
 
 
+def arg(default, help: str, *aliases: str, **extra):
+    """A ServeArgs field with its command-line help and extra spellings (other stacks' flag
+    names); the CLI's `serve` flags are generated from these (deploy/cli.py)."""
+    factory = {"default_factory": default} if callable(default) else {"default": default}
+    return field(**factory, metadata={"help": help, "aliases": aliases, **extra})
+
+
 @dataclass(frozen=True)
 class ServeArgs:
-    """Application args (YAML `args:` / CLI flags, same names)."""
+    """Application args: the YAML's `args:`, and the CLI's `serve` flags (the same names with
+    dashes, generated from these fields). The engine's settings among them go to EngineConfig
+    by name (`engine_config`)."""
 
-    model: str
-    draft_model: str | None = None
-    tp: int = 1
-    speculative_algorithm: str | None = None  # "dflash", any case (implied by draft_model)
-    # B: the verify block (the anchor + B − 1 proposed tokens); None → the draft's own
-    speculative_dflash_block_size: int | None = None
-    # K: the tokens the draft proposes per round, so B = K + 1 (vLLM's num_speculative_tokens;
-    # NOT SGLang's --speculative-num-draft-tokens, which counts B). Must agree with B if both.
-    speculative_num_draft_tokens: int | None = None
-    # vLLM's --speculative-config: {"method": "dflash", "model": …, "num_speculative_tokens": K}
-    speculative_config: dict | None = None
-    device: str = "cuda"
-    dtype: str | None = None  # None → bfloat16 on cuda, float32 on cpu
-    served_model_name: str | None = None  # None → the model directory's name
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None  # prefill tokens per step; None → engine default
-    kv_block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9  # share of each GPU for weights + activations + caches
-    max_waiting: int | None = None  # requests queued for admission before 429; None → 4 × seqs
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies: 413
-    enforce_eager: bool = False  # GPU: no CUDA graphs
-    load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
-    draft_placement: str = "colocated"  # "separate": the draft on a GPU of its own
-    control_channel: str = "auto"  # per-step messages: shared memory within a node, else TCP
-    control_spin_us: int | None = None  # spin before sleeping on it; None: by core count
-    attention_backend: str = "auto"  # decode/rounds/draft blocks: "triton" on CUDA, or "torch"
-    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # SIGTERM: requests in flight run on
-    # API access (deploy/openai_api.py ApiOptions): a Bearer key (None: open; the CLI reads
-    # DFLASH_SERVE_API_KEY), CORS as vLLM's flags
-    api_key: str | None = None
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-    # Sampling defaults of requests that leave them out: "auto" the model's
-    # generation_config.json, "vllm" OpenAI's, or a directory (vLLM's --generation-config)
-    generation_config: str = "auto"
-    # a Jinja chat template (or a file holding one) instead of the tokenizer's
-    chat_template: str | None = None
-    seed: int = 0
+    model: str = arg(None, "target checkpoint directory", required=True)
+    draft_model: str | None = arg(
+        None, "DFlash draft checkpoint directory (none: plain decoding)",
+        "--speculative-draft-model", "--speculative-draft-model-path")
+    tp: int = arg(1, "tensor-parallel size: GPUs per engine", "-tp", "--tensor-parallel-size")
+    speculative_algorithm: str | None = arg(
+        None, "dflash, any case (implied by --draft-model)")
+    speculative_dflash_block_size: int | None = arg(
+        None, "verify block size B (the anchor + B-1 proposed tokens); default: the draft's")
+    speculative_num_draft_tokens: int | None = arg(
+        None, "K, the tokens proposed per round: B = K+1 (vLLM's num_speculative_tokens; "
+        "SGLang's flag of this name counts B). Refused if it contradicts the block size or "
+        "exceeds the draft's")
+    speculative_config: dict | None = arg(
+        None, 'vLLM\'s form: \'{"method": "dflash", "model": DIR, "num_speculative_tokens": K}\'')
+    device: str = arg("cuda", "cuda or cpu (CLI default: cuda when this machine has a GPU)")
+    dtype: str | None = arg(None, "auto (bfloat16 on cuda, float32 on cpu), bfloat16 or float32")
+    served_model_name: str | None = arg(None, "the API's model id (default: the model dir name)")
+    max_num_seqs: int = arg(64, "sequences decoded together")
+    max_model_len: int | None = arg(None, "context length (default: the model's)")
+    max_num_batched_tokens: int | None = arg(
+        None, "prompt tokens one prefill step feeds (default 8192)")
+    kv_block_size: int = arg(16, "tokens per KV page")
+    num_kv_blocks: int | None = arg(None, "KV pages (default: measured from free GPU memory)")
+    gpu_memory_utilization: float = arg(
+        0.9, "share of each GPU for weights, activations and the KV cache")
+    max_waiting: int | None = arg(
+        None, "requests queued for admission before 429 (default 4 x max-num-seqs)")
+    max_request_bytes: int = arg(DEFAULT_MAX_REQUEST_BYTES,
+                                 "larger request bodies get 413 (default 16 MiB)")
+    enforce_eager: bool = arg(False, "GPU: run every step eagerly instead of replaying CUDA "
+                                     "graphs")
+    load_format: str = arg("auto", "auto (the checkpoints) or dummy (random weights from the "
+                                   "model dirs' config.json, for benchmarks)")
+    draft_placement: str = arg("colocated", "colocated (the draft shares TP rank 0's GPU) or "
+                                            "separate (a GPU of its own; aux features over NCCL)")
+    control_channel: str = arg("auto", "what carries the per-step messages between the driver "
+                                       "and its actors: auto (shared memory on one node), shm, "
+                                       "tcp")
+    control_spin_us: int | None = arg(
+        None, "microseconds a process waiting on that channel spins before it sleeps "
+        "(default: 50000 on GPU hosts with 8+ cores, else 0)")
+    attention_backend: str = arg(
+        "auto", "the kernel of decode steps, verify rounds and draft blocks: triton (the KV "
+        "pages read in place), torch (pages gathered), or auto (triton on CUDA)")
+    shutdown_grace_s: float = arg(
+        DEFAULT_SHUTDOWN_GRACE_S, "on SIGTERM or Ctrl-C: seconds the requests in flight may "
+        "run on (new ones get 503); those still running then end with an error event "
+        "(default 30; a second signal stops at once)")
+    api_key: str | None = arg(
+        None, "require Authorization: Bearer <key> on every route but /health and /version "
+        "(CLI default: $DFLASH_SERVE_API_KEY, else open)")
+    allowed_origins: list[str] = arg(lambda: ["*"], 'CORS origins, a JSON list (default ["*"])')
+    allowed_methods: list[str] = arg(lambda: ["*"], 'CORS methods, a JSON list (default ["*"])')
+    allowed_headers: list[str] = arg(lambda: ["*"], 'CORS headers, a JSON list (default ["*"])')
+    allow_credentials: bool = arg(False, "CORS credentials")
+    generation_config: str = arg(
+        "auto", "sampling defaults of requests that leave temperature/top_p/top_k out: auto "
+        "(the model's generation_config.json), vllm (OpenAI's: temperature 1), or a "
+        "directory holding a generation_config.json")
+    chat_template: str | None = arg(
+        None, "a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    seed: int = arg(0, "seeds the sampling of requests that bring no seed")
 
     def __post_init__(self) -> None:
+        if not self.model or not isinstance(self.model, str):
+            raise ValueError("model (the target checkpoint directory) is required")
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -193,22 +225,19 @@ class ServeArgs:
                           allow_credentials=self.allow_credentials)
 
     def engine_config(self) -> EngineConfig:
-        extra = {}
-        if self.max_num_batched_tokens is not None:  # else the engine's default
-            extra["max_num_batched_tokens"] = self.max_num_batched_tokens
-        return EngineConfig(
-            model=_resolve_path(self.model),
-            draft_model=_resolve_path(self.draft_model) if self.draft_model else None,
-            block_size=self.block_size, device=self.device,
-            dtype=self.dtype or ("bfloat16" if self.on_gpu else "float32"),
-            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
-            kv_block_size=self.kv_block_size, num_kv_blocks=self.num_kv_blocks, seed=self.seed,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            enforce_eager=self.enforce_eager, load_format=self.load_format,
-            draft_placement=self.draft_placement, control_channel=self.control_channel,
-            control_spin_us=self.control_spin_us, attention_backend=self.attention_backend,
-            **extra,
-        )
+        """The engine's settings: every EngineConfig field these args share by name, left at
+        the engine's default where the arg is None; the paths resolved, the block size and
+        dtype derived."""
+        mine = {f.name for f in fields(ServeArgs)}
+        shared = {f.name: getattr(self, f.name) for f in fields(EngineConfig)
+                  if f.name in mine and getattr(self, f.name) is not None}
+        return EngineConfig(**{
+            **shared,
+            "model": _resolve_path(self.model),
+            "draft_model": _resolve_path(self.draft_model) if self.draft_model else None,
+            "block_size": self.block_size,
+            "dtype": self.dtype or ("bfloat16" if self.on_gpu else "float32"),
+        })
 
 
 @serve.deployment(

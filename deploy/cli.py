@@ -10,7 +10,6 @@ import sys
 import time
 
 from configs.logs import setup_logging
-from deploy.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -72,84 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--address", help="Ray cluster to join (with --tp > 1); default: start one")
 
     s = sub.add_parser("serve", help="serve the OpenAI API with Ray Serve, until SIGINT/SIGTERM")
-    s.add_argument("--model", required=True, help="target checkpoint directory")
-    s.add_argument("--draft-model", "--speculative-draft-model",
-                   "--speculative-draft-model-path", dest="draft_model",
-                   help="DFlash draft checkpoint directory")
-    s.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                   help="tensor-parallel size (GPUs per engine)")
-    s.add_argument("--speculative-algorithm",
-                   help="dflash (any case; implied by --draft-model)")
-    s.add_argument("--speculative-dflash-block-size", type=int,
-                   help="verify block size B (the anchor + B-1 proposed tokens); default: the "
-                        "draft's")
-    s.add_argument("--speculative-num-draft-tokens", type=int,
-                   help="K, the tokens proposed per round: B = K+1 (vLLM's "
-                        "num_speculative_tokens; SGLang's flag of this name counts B). "
-                        "Refused if it contradicts the block size or exceeds the draft's")
-    s.add_argument("--speculative-config", type=_json_object,
-                   help='vLLM\'s form: \'{"method": "dflash", "model": DIR, '
-                        '"num_speculative_tokens": K}\'')
+    add_serve_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--device", choices=["cpu", "cuda"],
-                   help="default: cuda when this machine has a GPU, else cpu")
-    s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="auto: bfloat16 on cuda, float32 on cpu")
-    s.add_argument("--seed", type=int, default=0,
-                   help="seeds the sampling of requests that bring no seed")
-    s.add_argument("--chat-template",
-                   help="a Jinja chat template, or a file holding one, instead of the "
-                        "tokenizer's")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of Ray Serve's HTTP proxy and replicas")
-    s.add_argument("--served-model-name", help="the API's model id (default: the model dir name)")
-    s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument("--max-model-len", type=int)
-    s.add_argument("--max-num-batched-tokens", type=int)
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of each GPU for weights, activations and the KV cache")
-    s.add_argument("--enforce-eager", action="store_true",
-                   help="GPU: run every step eagerly instead of replaying CUDA graphs")
-    s.add_argument("--load-format", default="auto",
-                   help="auto (the checkpoints) or dummy: random weights from the model dirs' "
-                        "config.json (benchmarks); checked with the other engine settings")
-    s.add_argument("--draft-placement", default="colocated",
-                   help="colocated (the draft shares TP rank 0's GPU) or separate (a GPU of "
-                        "its own; aux features over NCCL)")
-    s.add_argument("--control-channel", default="auto",
-                   help="what carries the per-step messages between the driver and its actors: "
-                        "auto (shared memory when they share a node), shm or tcp")
-    s.add_argument("--control-spin-us", type=int,
-                   help="microseconds a process waiting on that channel spins before it sleeps "
-                        "(default: 50000 on GPU hosts with 8+ cores, else 0)")
-    s.add_argument("--attention-backend", default="auto",
-                   help="the kernel of decode steps, verify rounds and draft blocks: triton (the "
-                        "KV pages read in place), torch (pages gathered), or auto (triton on "
-                        "CUDA, torch elsewhere)")
-    s.add_argument("--max-waiting", type=int,
-                   help="requests queued for admission before 429 (default 4 x max-num-seqs)")
-    s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="larger request bodies get 413 (default 16 MiB)")
-    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require Authorization: Bearer <key> on every route but /health and "
-                        f"/version (default: ${API_KEY_ENV}, else open)")
-    s.add_argument("--allowed-origins", type=_json_list, default=["*"],
-                   help='CORS origins, a JSON list (default ["*"])')
-    s.add_argument("--allowed-methods", type=_json_list, default=["*"],
-                   help='CORS methods, a JSON list (default ["*"])')
-    s.add_argument("--allowed-headers", type=_json_list, default=["*"],
-                   help='CORS headers, a JSON list (default ["*"])')
-    s.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
-    s.add_argument("--generation-config", default="auto",
-                   help="sampling defaults of requests that leave temperature/top_p/top_k "
-                        "out: auto (the model's generation_config.json), vllm (OpenAI's: "
-                        "temperature 1), or a directory holding a generation_config.json")
-    s.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
-                   help="on SIGTERM or Ctrl-C: seconds the requests in flight may run on "
-                        "(new ones get 503); those still running then end with an error "
-                        "event (default 30; a second signal stops at once)")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
     s.add_argument("--address", help="Ray cluster to join (e.g. auto); default: start one")
     return parser
@@ -229,31 +156,56 @@ def _init_ray(address: str | None, tp: int) -> None:
         ray.init(num_cpus=max(os.cpu_count() or 1, tp), include_dashboard=False)
 
 
+# Where the CLI's default differs from ServeArgs': resolved when the flags are read.
+_CLI_DEFAULTS = {"device": None, "dtype": "auto"}
+_CLI_CHOICES = {"device": ["cpu", "cuda"], "dtype": ["auto", "float32", "bfloat16"]}
+_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, "str": str,
+          "str | None": str, "list[str]": None, "dict | None": None}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServeArgs field (deploy/app.py): --field-name and its aliases, its help
+    and default; lists and objects as JSON."""
+    from dataclasses import MISSING, fields
+
+    from deploy.app import ServeArgs
+
+    for f in fields(ServeArgs):
+        names = [f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", ())]
+        kw: dict = {"dest": f.name, "help": f.metadata.get("help")}
+        if f.metadata.get("required"):
+            kw["required"] = True
+        elif f.name in _CLI_DEFAULTS:
+            kw["default"] = _CLI_DEFAULTS[f.name]
+        elif f.name == "api_key":
+            kw["default"] = os.environ.get(API_KEY_ENV) or None
+        else:
+            kw["default"] = f.default_factory() if f.default is MISSING else f.default
+        if f.type == "bool":
+            kw["action"] = "store_true"
+        elif f.type == "list[str]":
+            kw["type"] = _json_list
+        elif f.type == "dict | None":
+            kw["type"] = _json_object
+        else:
+            kw["type"] = _TYPES[f.type]
+        if f.name in _CLI_CHOICES:
+            kw["choices"] = _CLI_CHOICES[f.name]
+        parser.add_argument(*names, **kw)
+
+
 def serve_args(args: argparse.Namespace):
     """The `serve` flags as the app's ServeArgs (ValueError naming a bad one)."""
+    from dataclasses import fields
+
     import torch
 
     from deploy.app import ServeArgs
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return ServeArgs(
-        model=args.model, draft_model=args.draft_model, tp=args.tp,
-        speculative_algorithm=args.speculative_algorithm,
-        speculative_dflash_block_size=args.speculative_dflash_block_size,
-        speculative_num_draft_tokens=args.speculative_num_draft_tokens, device=device,
-        dtype=args.dtype, served_model_name=args.served_model_name,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=args.max_waiting,
-        max_request_bytes=args.max_request_bytes, shutdown_grace_s=args.shutdown_grace_s,
-        api_key=args.api_key, allowed_origins=args.allowed_origins,
-        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-        allow_credentials=args.allow_credentials, generation_config=args.generation_config,
-        speculative_config=args.speculative_config, seed=args.seed,
-        chat_template=args.chat_template,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        load_format=args.load_format, draft_placement=args.draft_placement,
-        control_channel=args.control_channel, control_spin_us=args.control_spin_us,
-        attention_backend=args.attention_backend)
+    values = {f.name: getattr(args, f.name) for f in fields(ServeArgs)}
+    if values["device"] is None:
+        values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    return ServeArgs(**values)
 
 
 def serve_forever(args: argparse.Namespace) -> int:
@@ -290,7 +242,9 @@ def serve_forever(args: argparse.Namespace) -> int:
               f"try:\n  curl {base}/v1/completions -H 'Content-Type: application/json' "
               f"{auth}"
               f"-d '{{\"model\": \"{sargs.model_name}\", \"prompt\": \"The quick brown fox\", "
-              f"\"max_tokens\": 32}}'\nstop with Ctrl-C", flush=True)
+              f"\"max_tokens\": 32}}'\n"
+              f"Ray cluster at {ray.get_runtime_context().gcs_address} (ray list actors "
+              f"--address …)\nstop with Ctrl-C", flush=True)
         while not stop.wait(1.0):
             pass
         print(f"dflash-serve: shutting down: draining the requests in flight (up to "

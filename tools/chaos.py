@@ -70,8 +70,8 @@ class Server:
             self.proc.communicate()
         return self.proc.returncode, time.monotonic() - t
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server and every process below it (Ray's included)."""
+    def descendants(self) -> list[int]:
+        """The server's process and every process below it (Ray's included)."""
         children: dict[int, list[int]] = {}
         for d in os.listdir("/proc"):
             if d.isdigit():
@@ -80,10 +80,17 @@ class Server:
                 except OSError:
                     continue
                 children.setdefault(int(fields[1]), []).append(int(d))
-        total, todo = 0, [self.proc.pid]
+        out, todo = [], [self.proc.pid]
         while todo:
             pid = todo.pop()
+            out.append(pid)
             todo += children.get(pid, [])
+        return out
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and every process below it (Ray's included)."""
+        total = 0
+        for pid in self.descendants():
             try:
                 for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                     if line.startswith("VmRSS:"):
@@ -152,6 +159,24 @@ def endings(results: list[dict]) -> dict[str, int]:
     return out
 
 
+async def recovered_after(url: str, since: float, timeout: float = 120) -> float | None:
+    """Seconds from `since` (a kill) until /health is 200 again, having first seen it fail
+    (before the engine has noticed a death it may still answer 200). None: not in time."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        failed = False
+        while time.monotonic() - since < timeout:
+            try:
+                ok = (await c.get(f"{url}/health")).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if not ok:
+                failed = True
+            elif failed:
+                return time.monotonic() - since
+            await asyncio.sleep(0.1)
+    return None
+
+
 async def wait_health(url: str, timeout: float) -> float | None:
     """Seconds until /health answers 200 (None: not within timeout)."""
     t = time.monotonic()
@@ -166,28 +191,28 @@ async def wait_health(url: str, timeout: float) -> float | None:
     return None
 
 
-def driver_actor():
-    import ray
-
-    from deploy.ray_client import DRIVER_NAME_PREFIX
-
-    if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR")
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(DRIVER_NAME_PREFIX)]
-    return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+# The processes behind each role, by the title Ray gives an actor's process.
+ROLE_TITLES = {"worker": "ray::TargetWorker", "draft": "ray::DraftWorker",
+               "driver": "ray::EngineDriver"}
 
 
-def kill(role: str) -> None:
-    """ray.kill of TP rank 1 (rank 0 at TP 1), the draft, or the driver actor."""
-    import ray
+def kill(server: Server, role: str) -> float:
+    """SIGKILL of one process of `role` under the server (the last TP worker found, the
+    draft, or the driver), as the kernel's OOM killer or a crash would end it. Returns the
+    moment of the kill (monotonic)."""
+    pids = [pid for pid in server.descendants()
+            if _cmdline(pid).startswith(ROLE_TITLES[role])]
+    if not pids:
+        raise RuntimeError(f"no {ROLE_TITLES[role]} process under the server")
+    os.kill(max(pids), signal.SIGKILL)
+    return time.monotonic()
 
-    driver = driver_actor()
-    if role == "driver":
-        ray.kill(driver)
-        return
-    actors = ray.get(driver.actors.remote())
-    ray.kill(actors["workers"][-1] if role == "worker" else actors["draft"][0])
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 # ---- runs -----------------------------------------------------------------------------------
@@ -226,19 +251,19 @@ async def run_kill(args) -> dict:
                                                     started=started[i]))
                          for i in range(args.streams)]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
-                t = time.monotonic()
-                await asyncio.to_thread(kill, role)
+                t = await asyncio.to_thread(kill, server, role)
+                health_task = asyncio.create_task(recovered_after(server.url, t))
                 await asyncio.sleep(0.5)
                 during = [asyncio.create_task(stream(c, server.url, prompt(8, 100 + i), 16))
                           for i in range(8)]
                 results = await asyncio.gather(*tasks)
                 ended = max(r["t1"] for r in results) - t
-                health = await wait_health(server.url, 120)
+                health = await health_task
                 during = await asyncio.gather(*during)
                 after = await asyncio.gather(*(stream(c, server.url, prompt(8, 200 + i), 16)
                                                for i in range(args.streams)))
             out[role] = {"in_flight": endings(results), "all_ended_within_s": ended,
-                         "health_back_s": health + 0.5 if health is not None else None,
+                         "health_back_s": health,
                          "sent_during_recovery": endings(during),
                          "sent_after": endings(after)}
             print(role, json.dumps(out[role]), flush=True)
@@ -309,9 +334,9 @@ async def run_soak(args) -> dict:
             while time.monotonic() + args.kill_every < stop_at:
                 await asyncio.sleep(args.kill_every)
                 role = roles[j % 2]
-                await asyncio.to_thread(kill, role)
-                kills.append({"role": role, "at_s": args.duration - (stop_at - time.monotonic()),
-                              "health_back_s": await wait_health(server.url, 120)})
+                at = await asyncio.to_thread(kill, server, role)
+                kills.append({"role": role, "at_s": args.duration - (stop_at - at),
+                              "health_back_s": await recovered_after(server.url, at)})
                 j += 1
 
         await asyncio.gather(killer(), *(client_loop(i) for i in range(args.clients)))

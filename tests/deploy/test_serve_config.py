@@ -160,3 +160,23 @@ def test_the_documented_command_lines_of_other_stacks_parse_and_check(tiny_demo,
         sargs = serve_args(build_parser().parse_args(argv))
         build_deployment(sargs)  # engine config, TP, draft block and chat template checks
         assert sargs.draft_model == draft and sargs.block_size == trained
+
+
+def test_one_field_list_for_the_yaml_the_cli_and_the_engine(tiny_demo):
+    """Every engine setting is an app arg (block_size is derived from the speculative ones);
+    every app arg is a CLI flag with its help, and the flags come back as the same args."""
+    from dataclasses import fields
+
+    from deploy.cli import build_parser, serve_args
+
+    app_args = {f.name for f in fields(ServeArgs)}
+    assert {f.name for f in fields(EngineConfig)} - app_args == {"block_size"}
+    assert all(f.metadata.get("help") for f in fields(ServeArgs))
+    target, _ = map(str, tiny_demo)
+    parsed = build_parser().parse_args(["serve", "--model", target, "--kv-block-size", "8",
+                                        "--max-num-seqs", "3", "--device", "cpu"])
+    assert {n for n in vars(parsed)} >= app_args
+    got = serve_args(parsed)
+    assert got == ServeArgs(model=target, kv_block_size=8, max_num_seqs=3, device="cpu")
+    cfg = got.engine_config()
+    assert (cfg.kv_block_size, cfg.max_num_seqs, cfg.dtype) == (8, 3, "float32")
