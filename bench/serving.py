@@ -90,7 +90,7 @@ class SpecStats:
     draft_ms_per_round: float | None  # per batched round, from the histograms' _sum / _count
     verify_ms_per_round: float | None
     position_acceptance_rate: tuple[float, ...]  # cumulative since server start: after-values
-    # this level's own rates: the gauge is accepted_i / rounds, so accepted_i = rate_i · rounds
+    # this level's own rates: Δ accepted at position i / Δ drafts
     level_position_acceptance_rate: tuple[float, ...]
 
 
@@ -219,8 +219,8 @@ async def scrape(http: httpx.AsyncClient, base: str, idle_timeout: float = 10.0)
         except httpx.HTTPError as e:
             print(f"warning: no metrics from {base}/metrics: {e}", file=sys.stderr)
             return {}
-        m = {(s.name, tuple(sorted(s.labels.items()))): s.value
-             for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+        m = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))):
+             s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples}
         busy = m.get(("dflash_num_requests_running", ()), 0) + m.get(
             ("dflash_num_requests_waiting", ()), 0)
         if not busy or time.monotonic() > deadline:
@@ -238,20 +238,21 @@ def spec_stats(before: Samples, after: Samples) -> SpecStats:
         s, n = delta(f"{hist}_sum"), delta(f"{hist}_count")
         return 1e3 * s / n if s is not None and n else None
 
-    def rates(m: Samples) -> dict[int, float]:
+    def accepted_at(m: Samples) -> dict[int, float]:
         return {int(dict(labels)["position"]): v for (name, labels), v in m.items()
-                if name == "dflash_spec_decode_position_acceptance_rate"}
+                if name == "dflash_spec_decode_num_accepted_tokens_per_pos_total"}
 
-    rounds = delta("dflash_spec_decode_rounds_total")
-    committed = delta("dflash_spec_decode_committed_tokens_total")
-    r0, r1 = rates(before), rates(after)
-    n0 = before.get(("dflash_spec_decode_rounds_total", ()), 0.0)
-    level = [(r1[i] * (n0 + rounds) - r0.get(i, 0.0) * n0) / rounds for i in sorted(r1)] \
-        if rounds else []
+    rounds = delta("dflash_spec_decode_num_drafts_total")
+    accepted = delta("dflash_spec_decode_num_accepted_tokens_total")
+    committed = None if rounds is None or accepted is None else accepted + rounds
+    a0, a1 = accepted_at(before), accepted_at(after)
+    n1 = after.get(("dflash_spec_decode_num_drafts_total", ()), 0.0)
+    cumulative = tuple(a1[i] / n1 for i in sorted(a1)) if n1 else ()
+    level = [(a1[i] - a0.get(i, 0.0)) / rounds for i in sorted(a1)] if rounds else []
     return SpecStats(rounds, committed, committed / rounds if rounds and committed else None,
                      mean_ms("dflash_draft_time_per_round_seconds"),
                      mean_ms("dflash_verify_time_per_round_seconds"),
-                     tuple(r1[i] for i in sorted(r1)), tuple(level))
+                     cumulative, tuple(level))
 
 
 def summarize(c: int, results: list[RequestResult], duration: float,

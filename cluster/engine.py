@@ -47,11 +47,13 @@ class AcceptanceStats:
     tokens: int = 0  # tokens committed by rounds
     accepted_at: list[int] = field(default_factory=list)  # [K] rounds whose draft i was accepted
     lengths: dict[int, int] = field(default_factory=dict)  # committed per round → count
+    draft_tokens: int = 0  # tokens proposed by the draft (B − 1 per round)
 
     def record(self, num_accepted: int, num_drafts: int) -> None:
         if len(self.accepted_at) < num_drafts:
             self.accepted_at += [0] * (num_drafts - len(self.accepted_at))
         self.rounds += 1
+        self.draft_tokens += num_drafts
         self.tokens += num_accepted + 1
         self.lengths[num_accepted + 1] = self.lengths.get(num_accepted + 1, 0) + 1
         for i in range(num_accepted):

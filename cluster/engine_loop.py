@@ -91,7 +91,8 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
 
 
 def _copy_stats(s: AcceptanceStats) -> AcceptanceStats:
-    return AcceptanceStats(s.rounds, s.tokens, list(s.accepted_at), dict(s.lengths))
+    return AcceptanceStats(s.rounds, s.tokens, list(s.accepted_at), dict(s.lengths),
+                           s.draft_tokens)
 
 
 class LocalEngineClient:

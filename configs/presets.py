@@ -1,11 +1,11 @@
 """Architectures by name, as `config.json` dicts, for building models with random weights
 (benchmarks on the real shapes without downloading a checkpoint).
 
-`qwen3.5-35b-a3b`: the target's text config as DESIGN §3 records it (checked against the
-published checkpoint). `qwen3.5-35b-a3b-dflash`: the first published revision of its DFlash
+`qwen3.5-35b-a3b`: the target's text config as the published checkpoint's `config.json`
+holds it. `qwen3.5-35b-a3b-dflash`: the first published revision of its DFlash
 draft (8 full-attention layers, 4 kv heads, mask 248070, aux layers [1, 10, 19, 28, 37]);
-its attention head count, head dim and MLP width are not recorded in DESIGN and are
-ASSUMED here (Qwen3-8B's: 32 heads of 128, intermediate 12288 → we use 6144, the width
+its attention head count, head dim and MLP width were not available when this was written and
+are ASSUMED here (Qwen3-8B's: 32 heads of 128, intermediate 12288 → we use 6144, the width
 DFlash drafts of 2048-wide targets use); benchmark a real draft with `--draft-model DIR`.
 `tiny`: a CPU-sized model of the same family for smoke runs."""
 

@@ -3,6 +3,9 @@ several apps or test servers in one process do not collide).
 
 Request-side series are observed by the HTTP layer as requests end; engine-side series are
 read from `EngineClient.snapshot()` at scrape time, so they cost nothing between scrapes.
+Every series carries `model_name` (the served model's id). The speculative-decoding counters
+mean what vLLM's of the same names do: drafts (rounds), draft tokens proposed, draft tokens
+accepted, and accepted tokens per draft position.
 """
 
 from __future__ import annotations
@@ -27,32 +30,33 @@ ACCEPTANCE_BUCKETS = tuple(range(1, 17))  # tokens committed per round; longer o
 
 
 class ServingMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
         self.registry = r = CollectorRegistry()
+        self.model_name = m = model_name
         self.requests = Counter("dflash_requests", "Requests finished, by finish reason",
-                                ["endpoint", "finish_reason"], registry=r)
+                                ["model_name", "endpoint", "finish_reason"], registry=r)
         self.errors = Counter("dflash_request_errors", "Requests answered with an error",
-                              ["endpoint", "code"], registry=r)
+                              ["model_name", "endpoint", "code"], registry=r)
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed",
-                                     registry=r)
+                                     ["model_name"], registry=r).labels(m)
         self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated",
-                                         registry=r)
+                                         ["model_name"], registry=r).labels(m)
         self.ttft = Histogram("dflash_time_to_first_token_seconds",
                               "From request arrival to the first generated token",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(m)
         # A speculative round delivers a batch of k tokens after a gap dt: observed as k tokens
         # of dt/k each, so the mean is the per-token latency a streaming client sees.
         self.itl = Histogram("dflash_inter_token_latency_seconds",
-                             "Time per generated token after the first", buckets=LATENCY_BUCKETS,
-                             registry=r)
+                             "Time per generated token after the first", ["model_name"],
+                             buckets=LATENCY_BUCKETS, registry=r).labels(m)
         self.e2e = Histogram("dflash_e2e_request_latency_seconds",
-                             "From request arrival to its last token", buckets=LATENCY_BUCKETS,
-                             registry=r)
-        r.register(_EngineCollector(snapshot))
+                             "From request arrival to its last token", ["model_name"],
+                             buckets=LATENCY_BUCKETS, registry=r).labels(m)
+        r.register(_EngineCollector(snapshot, m))
 
     def observe_request(self, endpoint: str, finish_reason: str, prompt_tokens: int,
                         completion_tokens: int, timing: RequestTiming, now: float) -> None:
-        self.requests.labels(endpoint, finish_reason).inc()
+        self.requests.labels(self.model_name, endpoint, finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         if timing.first_token is not None:
@@ -63,54 +67,65 @@ class ServingMetrics:
         self.e2e.observe((timing.finished or now) - timing.arrival)
 
     def observe_error(self, endpoint: str, status: int) -> None:
-        self.errors.labels(endpoint, str(status)).inc()
+        self.errors.labels(self.model_name, endpoint, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-def _histogram(name: str, doc: str, h: TimeHistogram) -> HistogramMetricFamily:
+def _histogram(name: str, doc: str, h: TimeHistogram, model: str) -> HistogramMetricFamily:
     buckets = [(floatToGoString(b), c) for b, c in zip(h.bounds, h.cumulative_counts,
                                                        strict=True)]
-    return HistogramMetricFamily(name, doc, buckets=[*buckets, ("+Inf", h.count)],
-                                 sum_value=h.sum_s)
+    family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model], [*buckets, ("+Inf", h.count)], h.sum_s)
+    return family
+
+
+def _one(kind, name: str, doc: str, model: str, value: float) -> Metric:
+    family = kind(name, doc, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
 
 
 class _EngineCollector:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
-        self.snapshot = snapshot
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
+        self.snapshot, self.model = snapshot, model_name
 
     def collect(self) -> Iterator[Metric]:
-        s = self.snapshot()
-        yield GaugeMetricFamily("dflash_num_requests_running", "Sequences being decoded",
-                                value=s.running)
-        yield GaugeMetricFamily("dflash_num_requests_waiting", "Sequences waiting for admission",
-                                value=s.waiting)
-        yield GaugeMetricFamily("dflash_kv_cache_usage_ratio", "Fraction of KV pages held (0..1)",
-                                value=s.cache_usage)
+        s, m = self.snapshot(), self.model
+        yield _one(GaugeMetricFamily, "dflash_num_requests_running", "Sequences being decoded",
+                   m, s.running)
+        yield _one(GaugeMetricFamily, "dflash_num_requests_waiting",
+                   "Sequences waiting for admission", m, s.waiting)
+        yield _one(GaugeMetricFamily, "dflash_kv_cache_usage_ratio",
+                   "Fraction of KV pages held (0..1)", m, s.cache_usage)
         acc = s.acceptance
-        yield CounterMetricFamily("dflash_spec_decode_rounds", "Verify rounds run",
-                                  value=acc.rounds)
-        yield CounterMetricFamily("dflash_spec_decode_committed_tokens",
-                                  "Tokens committed by verify rounds", value=acc.tokens)
+        yield _one(CounterMetricFamily, "dflash_spec_decode_num_drafts",
+                   "Draft proposals verified (one per sequence per round)", m, acc.rounds)
+        yield _one(CounterMetricFamily, "dflash_spec_decode_num_draft_tokens",
+                   "Tokens the draft proposed", m, acc.draft_tokens)
+        yield _one(CounterMetricFamily, "dflash_spec_decode_num_accepted_tokens",
+                   "Draft tokens the target accepted", m, acc.tokens - acc.rounds)
+        per_pos = CounterMetricFamily("dflash_spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each position (0-based)",
+                                      labels=["model_name", "position"])
+        for i, n in enumerate(acc.accepted_at):
+            per_pos.add_metric([m, str(i)], n)
+        yield per_pos
         cum, buckets = 0, []
         for le in ACCEPTANCE_BUCKETS:
             cum += acc.lengths.get(le, 0)
             buckets.append((floatToGoString(le), cum))
-        yield HistogramMetricFamily(
+        length = HistogramMetricFamily(
             "dflash_acceptance_length", "Tokens committed per verify round (accepted drafts + 1)",
-            buckets=[*buckets, ("+Inf", acc.rounds)], sum_value=acc.tokens)
-        rate = GaugeMetricFamily("dflash_spec_decode_position_acceptance_rate",
-                                 "Fraction of rounds whose draft at position i (1-based) was "
-                                 "accepted", labels=["position"])
-        for i, r in enumerate(acc.position_acceptance_rate, start=1):
-            rate.add_metric([str(i)], r)
-        yield rate
+            labels=["model_name"])
+        length.add_metric([m], [*buckets, ("+Inf", acc.rounds)], acc.tokens)
+        yield length
         if s.draft_time_per_round is not None:
             yield _histogram("dflash_draft_time_per_round_seconds",
                              "Wall time of one draft proposal, where the draft runs",
-                             s.draft_time_per_round)
+                             s.draft_time_per_round, m)
         if s.verify_time_per_round is not None:
             yield _histogram("dflash_verify_time_per_round_seconds",
                              "Wall time of one verify pass (forward, acceptance, commit) on TP "
-                             "rank 0", s.verify_time_per_round)
+                             "rank 0", s.verify_time_per_round, m)

@@ -454,7 +454,7 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
             await client.shutdown()
 
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
-    metrics = ServingMetrics(client.snapshot)
+    metrics = ServingMetrics(client.snapshot, client.model_name)
     server = OpenAIServer(client, tokenizer, metrics, max_request_bytes, defaults)
     app.state.metrics, app.state.server = metrics, server
 

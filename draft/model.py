@@ -289,7 +289,7 @@ class DFlashDraftModel(nn.Module):
         lm_head: Callable[[Tensor], Tensor],
         block_size: int | None = None,
     ) -> Tensor:
-        # argmax at every temperature (DESIGN §3) -> draft tokens [S, B - 1] long
+        # argmax at every temperature (the draft proposes greedily) -> draft tokens [S, B - 1] long
         logits = self.propose_logits(
             anchor_ids, context_lens, block_tables, kv_cache, embed, lm_head, block_size
         )

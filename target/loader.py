@@ -1,6 +1,6 @@
 """Loads HF safetensors checkpoints of Qwen3.5-MoE into the tensor-parallel target.
 
-Accepted layouts (DESIGN §3): the published `Qwen3_5MoeForConditionalGeneration` one (text keys
+Accepted layouts: the published `Qwen3_5MoeForConditionalGeneration` one (text keys
 under `model.language_model.`, fused experts, vision/MTP keys skipped) and the
 `Qwen3_5MoeForCausalLM.save_pretrained` one (keys under `model.`, per-expert tensors); single
 file or sharded with `model.safetensors.index.json`. Each rank reads only its slices.

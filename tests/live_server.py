@@ -33,10 +33,13 @@ def serve_in_thread(app) -> tuple[str, Callable[[], None]]:
     return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
 
 
-def scrape_metrics(base_url: str, timeout: float = 30) -> dict[tuple[str, tuple], float]:
-    """/metrics as {(sample name, sorted label pairs): value}."""
+def scrape_metrics(base_url: str, timeout: float = 30,
+                   model_name: bool = False) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted label pairs): value}; the `model_name` label every
+    series carries is left out of the keys unless `model_name` (one model per server)."""
     text = httpx.get(f"{base_url}/metrics", timeout=timeout).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items()
+                                  if model_name or k != "model_name"))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 

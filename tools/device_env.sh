@@ -1,5 +1,6 @@
 # Sourced by the GPU check scripts, from the repository root: the wheels in .whl/ (fla, Ray
-# Serve, the openai client, dflash; see ../shared/tools/device-wheels.sh) installed into
+# Serve, the openai client, dflash: `pip download --no-deps -d .whl …` on a machine with pip)
+# installed into
 # /tmp/site for a GPU host without package access, on PYTHONPATH with the repository.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

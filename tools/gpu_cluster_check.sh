@@ -2,7 +2,7 @@
 # The cluster path on one GPU host without package access (e.g. the lent H200): GPU tests of
 # the engine/cluster/aux ring, the control plane's hop timings, and `dflash-serve serve` end
 # to end.
-#   ../shared/tools/device-wheels.sh --ray   # fills .whl/ (fla, Ray Serve) on a machine with pip
+#   pip download --no-deps -d .whl …   # the wheels of fla, Ray Serve (see tools/device_env.sh)
 #   OUT=/some/dir bash tools/gpu_cluster_check.sh
 set -u
 OUT=${OUT:-/tmp/gpu_cluster_check}; mkdir -p "$OUT"

@@ -10,8 +10,8 @@
 #   serve    `dflash-serve serve --load-format dummy` on the 35B-A3B architecture (the tiny
 #            demo's tokenizer), without a draft (AR) and with one (DFlash, B = 16), each measured
 #            by bench/serving.py at concurrency 1 and 8 (512-token prompts, 128 tokens)
-# Usage: ../shared/tools/device-wheels.sh --ray   (fla, Ray Serve) and the openai client's
-#        wheels into .whl/; the device tool: carry .whl
+# Usage: the wheels of fla, Ray Serve and the openai client (pip download --no-deps) in
+#        .whl/; the device tool: carry .whl
 #        OUT=/some/dir bash tools/gpu_control_plane_check.sh [tests inproc cluster hops serve]
 # (timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SERVE_TIMEOUT seconds; BENCH_ITERS, SERVE_PROMPTS;
 #  SERVE_ONLY=spec skips the AR server)

@@ -8,7 +8,7 @@
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
 #   nofuse   the same without the compiled elementwise chains (--no-fuse), B = 16, no baseline
 #   moe      bench/moe_kernel.py: the pair GEMVs against the grouped GEMMs, 1-32 tokens
-# Usage: ../shared/tools/device-wheels.sh   (fills .whl/ with fla on a machine with pip)
+# Usage: pip download --no-deps -d .whl flash-linear-attention fla-core   (on a machine with pip)
 #        pip download --no-deps dflash==0.1.0 -d .whl   (the tests' reference draft)
 #        OUT=/some/dir bash tools/gpu_fastpath_check.sh [tests profile golden bench]
 # (each part's timeout: TESTS_TIMEOUT, PROFILE_TIMEOUT, GOLDEN_TIMEOUT, BENCH_TIMEOUT seconds)

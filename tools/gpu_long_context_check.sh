@@ -11,7 +11,7 @@
 #           draft, --max-model-len 262144 --max-num-seqs 8, then bench/long_prompts.py: 32k,
 #           128k and 252k-token prompts one after the other, then a 128k one with 4 short
 #           streams beside it
-# Usage: ../shared/tools/device-wheels.sh --ray (fla, Ray Serve, the openai client) into
+# Usage: the wheels of fla, Ray Serve and the openai client (pip download --no-deps) into
 #        .whl/; the device tool: carry .whl
 #        OUT=/some/dir bash tools/gpu_long_context_check.sh [tests bench serve]
 set -u

@@ -8,7 +8,7 @@
 #           all-reduce per call against the bus bandwidth), and TP 1 with the draft on its own GPU
 #   hops    bench/aux_transport.py: the CUDA-IPC ring against the NCCL pair (reader on cuda:1)
 #   serve   `dflash-serve serve --tp 2` on the tiny pair, one completion and the metrics
-# Usage: ../shared/tools/device-wheels.sh --ray   (fla and Ray Serve into .whl/)
+# Usage: the wheels of fla and Ray Serve in .whl/ (pip download --no-deps)
 #        OUT=/some/dir bash tools/multi_gpu_check.sh [tests tpcheck bench hops serve]
 # (each part's timeout: TESTS_TIMEOUT, TPCHECK_TIMEOUT, BENCH_TIMEOUT, HOPS_TIMEOUT seconds)
 set -u

@@ -1,7 +1,7 @@
 """Deterministic tiny checkpoints for tests, written by the real writers.
 
 `python -m tools.tiny_models --out DIR` writes everything `write_all` does. Same library versions
-and seed -> the same bytes. The layouts mirror DESIGN §3/§6: the per-expert layout is exactly
+and seed -> the same bytes. The layouts mirror the real ones: the per-expert layout is exactly
 `Qwen3_5MoeForCausalLM.save_pretrained`; the published layout is that state dict rewritten the
 way `Qwen/Qwen3.5-35B-A3B` ships (fused experts, `model.language_model.`, visual/mtp extras).
 """
@@ -368,7 +368,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # DFlash drafts
 # --------------------------------------------------------------------------------------------
 
-# The two published Qwen3.5-35B-A3B draft revisions, scaled down (DESIGN §3).
+# The two published Qwen3.5-35B-A3B draft revisions, scaled down.
 DRAFT_REVISIONS = {
     # 1st revision: all full attention; ids include the target's LAST layer on purpose.
     "full": dict(num_hidden_layers=2, num_key_value_heads=2, target_layer_ids=[1, 4, 7]),

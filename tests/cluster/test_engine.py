@@ -49,7 +49,7 @@ def test_target_only_greedy_matches_transformers(tiny_models):
     for prompt, out in zip(prompts, outs, strict=True):
         ids = list(prompt)
         with torch.inference_mode():
-            for _ in range(12):  # cache-free greedy: the oracle DESIGN §6 asks for
+            for _ in range(12):  # cache-free greedy: the target alone, the oracle
                 ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
         assert out.output_ids == ids[len(prompt) :]
 

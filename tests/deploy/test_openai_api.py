@@ -384,14 +384,18 @@ def test_metrics_report_latency_and_acceptance(server, oai):
                  "dflash_e2e_request_latency_seconds_count", "dflash_acceptance_length_count",
                  "dflash_prompt_tokens_total", "dflash_generation_tokens_total"):
         assert m[(name, ())] > 0, name
-    rounds = m[("dflash_spec_decode_rounds_total", ())]
+    rounds = m[("dflash_spec_decode_num_drafts_total", ())]
+    accepted = m[("dflash_spec_decode_num_accepted_tokens_total", ())]
     assert m[("dflash_acceptance_length_bucket", (("le", "+Inf"),))] == rounds
-    assert m[("dflash_acceptance_length_sum", ())] == m[
-        ("dflash_spec_decode_committed_tokens_total", ())]
-    rates = {dict(k[1])["position"]: v for k, v in m.items()
-             if k[0] == "dflash_spec_decode_position_acceptance_rate"}
-    assert sorted(rates, key=int) == [str(i) for i in range(1, 8)]  # B = 8: 7 drafts
-    assert rates["1"] >= rates["7"] > 0  # the trained draft gets whole blocks accepted
+    assert m[("dflash_acceptance_length_sum", ())] == accepted + rounds  # + the bonus token
+    assert m[("dflash_spec_decode_num_draft_tokens_total", ())] == 7 * rounds  # B = 8
+    per_pos = {int(dict(k[1])["position"]): v for k, v in m.items()
+               if k[0] == "dflash_spec_decode_num_accepted_tokens_per_pos_total"}
+    assert sorted(per_pos) == list(range(7)) and sum(per_pos.values()) == accepted
+    assert per_pos[0] >= per_pos[6] > 0  # the trained draft gets whole blocks accepted
+    # every series is labelled with the served model
+    labelled = scrape_metrics(server["url"], model_name=True)
+    assert {dict(k[1]).get("model_name") for k in labelled} == {MODEL}
     # one propose and one verify per batched round (rounds above count per sequence)
     drafts = m[("dflash_draft_time_per_round_seconds_count", ())]
     assert 0 < drafts == m[("dflash_verify_time_per_round_seconds_count", ())] <= rounds
@@ -453,3 +457,21 @@ def test_engine_errors_reach_clients_without_addresses_pids_or_ray_ids(server, m
                     "0x7f3a2b1c0d9e", "serve-abc", "raylet", "\n"):
         assert private not in message, (private, message)
     assert message.startswith(text.split(":")[0])  # what failed is still said
+
+
+def test_the_grafana_dashboard_reads_only_series_the_server_exports(server, oai):
+    """deploy/grafana-dashboard.json: valid JSON, and every dflash_ series its queries name is
+    one /metrics serves (after a speculative request and a refused one, so every series
+    exists)."""
+    import json
+    import re
+
+    oai.completions.create(model=MODEL, prompt="dashboards", max_tokens=8, **GREEDY,
+                           extra_body={"ignore_eos": True})
+    assert httpx.post(f"{server['url']}/v1/completions", json={"prompt": ""}).status_code == 400
+    exported = {name for name, _ in scrape_metrics(server["url"])}
+    dash = json.loads((DEMO.parents[2] / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    named = {n for e in exprs for n in re.findall(r"dflash_[a-z0-9_]+", e)}
+    assert len(dash["panels"]) >= 10 and named and named <= exported, named - exported
+    assert all('model_name=~"$model_name"' in e for e in exprs)

@@ -128,7 +128,7 @@ def test_completion_and_chat_equal_target_only(app, oai):
     assert ids == want and "".join(pieces) == c.choices[0].message.content
     assert usage.completion_tokens == 30 and usage.prompt_tokens == len(prompt_ids)
     m = wait_idle(app)
-    assert m[("dflash_spec_decode_rounds_total", ())] > 0
+    assert m[("dflash_spec_decode_num_drafts_total", ())] > 0
     assert m[("dflash_draft_time_per_round_seconds_count", ())] > 0
     assert m[("dflash_verify_time_per_round_seconds_count", ())] > 0
 

@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU (gloo, spawned processes, no Ray): TP 2 and TP 4 give the TP 1
 logits through prefill, verify, partial commit and verify again; each rank holds exactly its
-shard of every parameter (DESIGN §3 sharding rules)."""
+shard of every parameter (the sharding rules of target/layers/linear.py)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def _split_segments(t: torch.Tensor, sizes: list[int], dim: int, parts: int, idx
 
 
 def expected_shard(name: str, full: torch.Tensor, cfg: TargetConfig, tp: TPGroup):
-    """The slice of the TP-1 parameter `full` that rank tp.rank must hold (DESIGN §3)."""
+    """The slice of the TP-1 parameter `full` that rank tp.rank must hold."""
     r, n = tp.rank, tp.size
     key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
