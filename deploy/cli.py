@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate from one prompt, in process")
     g.add_argument("--model", required=True, help="target checkpoint directory")
-    g.add_argument("--draft-model",
+    g.add_argument("--draft-model", "--speculative-draft-model",
+                   "--speculative-draft-model-path", dest="draft_model",
                    help="DFlash draft checkpoint directory (omit for plain decoding)")
     g.add_argument("--speculative-dflash-block-size", type=int, dest="block_size",
                    help="verify block size B (proposes B-1 tokens); default: the draft's")
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_parse_ids, help="comma-separated token ids")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--tp", type=int, default=1,
+    g.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                    help="tensor-parallel size; > 1 runs the target on Ray worker actors")
     g.add_argument("--address", help="Ray cluster to join (with --tp > 1); default: start one")
 

@@ -117,6 +117,9 @@ def test_the_speculative_flags_of_vllm_sglang_and_lmdeploy(tiny_demo):
         2, draft, {"num_speculative_tokens": 3}, 7)
     assert build_parser().parse_args(["serve", "--model", target, "--tensor-parallel-size",
                                       "4", "--speculative-draft-model-path", draft]).tp == 4
+    gen = build_parser().parse_args(["generate", "--model", target, "-tp", "2",
+                                     "--speculative-draft-model", draft, "--prompt-ids", "1"])
+    assert (gen.tp, gen.draft_model) == (2, draft)
 
 
 def test_chat_template_from_a_file_or_inline(tmp_path):
