@@ -33,6 +33,7 @@ first imported; tests/target/test_attention_triton.py runs its cases in a child 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +74,6 @@ def available(device: torch.device | str) -> bool:
         return False
     if torch.device(device).type == "cuda":
         return True
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -227,6 +226,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     acc = torch.empty(n_splits, n_tokens, n_heads, dim, dtype=torch.float32, device=dev)
     stat = torch.empty(n_splits, 2, n_tokens, n_heads, dtype=torch.float32, device=dev)
     out = torch.empty_like(q)
+    # without with_lse the merge writes no log-sum-exp (WITH_LSE off): any pointer will do
     lse = torch.empty(n_tokens, n_heads, dtype=torch.float32, device=dev) if with_lse else out
     q_first, kv_lens = q_first.to(torch.int32), kv_lens.to(torch.int32)
     win = window if window is not None else 0

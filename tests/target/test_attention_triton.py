@@ -189,15 +189,7 @@ def model_differences() -> dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    """The interpreter child's results (None on CUDA, where the tests compute their own)."""
-    return triton_child.run(__file__)
-
-
-@pytest.fixture(scope="module")
-def errors(interpreted):
-    return triton_child.error_lookup(interpreted, case_error)
+interpreted, errors = triton_child.fixtures(__file__, case_error)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -111,15 +111,7 @@ def all_case_errors() -> dict[str, float | str]:
     return triton_child.case_errors(CASES, DTYPES, case_error, "cpu")
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    """The interpreter child's results (None on CUDA, where the tests compute their own)."""
-    return triton_child.run(__file__)
-
-
-@pytest.fixture(scope="module")
-def errors(interpreted):
-    return triton_child.error_lookup(interpreted, case_error)
+interpreted, errors = triton_child.fixtures(__file__, case_error)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

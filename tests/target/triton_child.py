@@ -50,3 +50,20 @@ def error_lookup(interpreted: dict | None, case_error: Callable[[str, str, str],
     if interpreted is None:
         return lambda key: case_error(*key.split("/"), "cuda")
     return interpreted["errors"].__getitem__
+
+
+def fixtures(test_file: str, case_error: Callable[[str, str, str], float | str]):
+    """The module-scoped fixtures a Triton test file shares: `interpreted` (the interpreter
+    child's results, None on CUDA) and `errors` ("name/dtype" → error, error_lookup). Bind
+    both at module level: `interpreted, errors = triton_child.fixtures(__file__, case_error)`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def interpreted():
+        return run(test_file)
+
+    @pytest.fixture(scope="module")
+    def errors(interpreted):
+        return error_lookup(interpreted, case_error)
+
+    return interpreted, errors
