@@ -230,17 +230,7 @@ class OpenAIServer:
         """The prompt's token ids; text is tokenized off the event loop (other streams and
         /health go on meanwhile)."""
         if isinstance(req, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            self._need_tokenizer("messages")
-            self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-            try:
-                ids = await asyncio.to_thread(
-                    self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                    tokenize=True, return_dict=False, **(req.chat_template_kwargs or {}))
-            except Exception as e:
-                raise RequestError(f"the chat template rejected the messages: {e}",
-                                   "messages") from None
-            return list(ids)
+            return await self._chat_ids(req.messages, True, req.chat_template_kwargs)
         prompt = req.prompt
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             ids = list(prompt)
@@ -255,6 +245,22 @@ class OpenAIServer:
             raise RequestError(f"prompt token ids must be in [0, {self.client.vocab_size})",
                                "prompt")
         return ids
+
+    async def _chat_ids(self, messages, add_generation_prompt: bool,
+                        template_kwargs: dict | None) -> list[int]:
+        """Chat messages through the tokenizer's template (off the event loop)."""
+        self._need_tokenizer("messages")
+        texts = [{"role": m.role, "content": m.text()} for m in messages]
+        self._check_chars(sum(len(m["content"]) for m in texts), "messages")
+        try:
+            ids = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template, texts, tokenize=True,
+                add_generation_prompt=add_generation_prompt, return_dict=False,
+                **(template_kwargs or {}))
+        except Exception as e:
+            raise RequestError(f"the chat template rejected the messages: {e}",
+                               "messages") from None
+        return list(ids)
 
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
@@ -291,17 +297,8 @@ class OpenAIServer:
             req = parse_request(TokenizeRequest, await self._body(request))
             self._check_model(req.model)
             if req.messages is not None:
-                self._need_tokenizer("messages")
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-                try:
-                    ids = await asyncio.to_thread(
-                        self.tokenizer.apply_chat_template, messages, tokenize=True,
-                        add_generation_prompt=req.add_generation_prompt, return_dict=False,
-                        **(req.chat_template_kwargs or {}))
-                except Exception as e:
-                    raise RequestError(f"the chat template rejected the messages: {e}",
-                                       "messages") from None
+                ids = await self._chat_ids(req.messages, req.add_generation_prompt,
+                                           req.chat_template_kwargs)
             else:
                 self._need_tokenizer("prompt")
                 self._check_chars(len(req.prompt), "prompt")
