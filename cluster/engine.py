@@ -11,7 +11,7 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cluster.block_manager import BlockManager
@@ -22,6 +22,7 @@ from cluster.startup import EnginePlan, start_in_process
 from cluster.stats import TimeAccumulator
 from configs.engine import EngineConfig, SamplingParams
 from workers.cuda_graphs import graph_batch_buckets
+from workers.logprobs import TokenLogprob
 from workers.messages import NewSeq, StepKind, StepMsg
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ class RequestOutput:
     finish_reason: str | None
     acceptance_lengths: list[int]
     error: str | None = None  # finish_reason "error": why this request failed alone
+    # params.logprobs: one per token of new_token_ids
+    new_logprobs: list[TokenLogprob] | None = None
+    # params.prompt_logprobs, in the first output only: one per prompt token, None for the
+    # first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -206,8 +212,10 @@ class LLMEngine:
                 s.num_cached += n
                 if i in result.errors:
                     self._fail(s, result.errors[i])
-                elif s.prefilled:
-                    self._append(s, toks)
+                    continue
+                s.prompt_logprobs += result.prompt_logprobs.get(i, [])
+                if s.prefilled:
+                    self._append(s, toks, result.logprobs.get(i))
         else:
             if result.propose_s is not None:
                 self.draft_time.observe(result.propose_s)
@@ -219,7 +227,7 @@ class LLMEngine:
                     self._fail(s, result.errors[i])
                     continue
                 self.stats.record(n, self.block_size - 1)
-                s.acceptance_lengths.append(self._append(s, toks))
+                s.acceptance_lengths.append(self._append(s, toks, result.logprobs.get(i)))
         outputs = self._collect(plan.prefill + plan.decode)
         self._apply_deferred_aborts()
         self._flush_if_idle()
@@ -237,9 +245,12 @@ class LLMEngine:
         seq.error = error
         self.scheduler.finish(seq, "error")
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> int:
-        """Appends tokens up to the first stop condition; returns how many were kept."""
+    def _append(self, seq: Sequence, tokens: list[int],
+                logprobs: list[TokenLogprob] | None = None) -> int:
+        """Appends tokens (and their log-probabilities) up to the first stop condition;
+        returns how many were kept."""
         p = seq.params
+        kept = len(tokens)
         for i, tok in enumerate(tokens):
             seq.output_ids.append(tok)
             if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
@@ -247,8 +258,11 @@ class LLMEngine:
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.scheduler.finish(seq, "length")
             if seq.finished:
-                return i + 1
-        return len(tokens)
+                kept = i + 1
+                break
+        if logprobs is not None:
+            seq.logprobs += logprobs[:kept]
+        return kept
 
     def _release(self, seq: Sequence) -> None:
         if seq.seq_id in self._sent:
@@ -261,10 +275,14 @@ class LLMEngine:
             new = s.output_ids[s.num_streamed :]
             if not new and not s.finished:
                 continue  # a non-final prompt chunk: nothing to report yet
+            p, first = s.params, s.num_streamed == 0
+            outs.append(RequestOutput(
+                s.request_id, s.prompt_ids, new, list(s.output_ids), s.finished,
+                s.finish_reason, list(s.acceptance_lengths), s.error,
+                new_logprobs=None if p.logprobs is None else s.logprobs[s.num_streamed :],
+                prompt_logprobs=[None, *s.prompt_logprobs]
+                if first and p.prompt_logprobs is not None else None))
             s.num_streamed = len(s.output_ids)
-            outs.append(RequestOutput(s.request_id, s.prompt_ids, new, list(s.output_ids),
-                                      s.finished, s.finish_reason, list(s.acceptance_lengths),
-                                      s.error))
             if s.finished:
                 self._release(s)
                 self._by_request.pop(s.request_id, None)
@@ -272,14 +290,23 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Runs the requests to the end: their final outputs, whose new_logprobs (if asked
+        for) cover every output token and prompt_logprobs the prompt."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {}
+        prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         while self.has_unfinished():
             for out in self.step():
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs or [])
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     final[out.request_id] = out
-        return [final[i] for i in ids]
+        return [replace(final[i], new_logprobs=logprobs[i] if p.logprobs is not None else None,
+                        prompt_logprobs=prompt_logprobs.get(i))
+                for i, p in zip(ids, params_list, strict=True)]
 
     # ---- start-up -----------------------------------------------------------------------------
 

@@ -74,7 +74,8 @@ class LocalExecutor:
         if self.draft is not None and draft_writes_context(msg):
             self.draft.write_context(msg, out.aux, committed_counts(msg, out.num_accepted))
         return StepResult(msg.step_id, out.new_tokens, out.num_accepted, propose_s=propose_s,
-                          verify_s=verify_s, errors=out.errors)
+                          verify_s=verify_s, errors=out.errors, logprobs=out.logprobs,
+                          prompt_logprobs=out.prompt_logprobs)
 
     def shutdown(self) -> None:
         pass

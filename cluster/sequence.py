@@ -4,6 +4,7 @@ import enum
 from dataclasses import dataclass, field
 
 from configs.engine import SamplingParams
+from workers.logprobs import TokenLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -29,6 +30,10 @@ class Sequence:
     state_slot: int = -1
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per round
     num_streamed: int = 0  # output tokens already handed to the caller
+    # params.logprobs: one per output token; params.prompt_logprobs: one per prompt token
+    # after the first, filled chunk by chunk
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def anchor(self) -> int:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The most alternatives a token's log-probabilities may list (vLLM's max_logprobs default).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The target's log-probabilities (log-softmax of its logits, before temperature, top-k and
+    # top-p) of each generated token, with this many most likely alternatives; None: none.
+    logprobs: int | None = None
+    # The same for every prompt token after the first (echo); None: none.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -34,6 +41,12 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got "
+                                 f"{value!r}")
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,7 @@ import torch
 
 from configs.engine import SamplingParams
 from workers.aux_transport import AuxRef
+from workers.logprobs import TokenLogprob
 
 
 class StepKind(enum.IntEnum):
@@ -84,6 +85,10 @@ class StepResult:
     # index in seq_ids → why that sequence failed in this step (its sampling): the engine
     # fails that request alone
     errors: dict[int, str] = field(default_factory=dict)
+    # index in seq_ids → log-probabilities of its new tokens / of the prompt tokens its chunk
+    # predicts (the sequences that asked for them; workers/logprobs.py)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from target.model import Qwen3_5MoeForCausalLM
 from workers import sampling
 from workers.cache import reset_state_slot
 from workers.cuda_graphs import RoundGraphs
+from workers.logprobs import TokenLogprob, rows_logprobs, split_rows, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class SeqInput:
     # Prefill: sample the first token after this chunk (the prompt's last); a non-final chunk
     # only fills the caches and yields its aux features.
     sample: bool = True
+    # PREFILL with prompt logprobs: the prompt tokens this chunk's rows predict,
+    # prompt[start_pos + 1 : start_pos + n + 1] (the last chunk's last row samples instead).
+    prompt_targets: list[int] | None = None
 
 
 @dataclass
@@ -44,6 +48,10 @@ class StepOutput:
     # index in the step → why that sequence's sampling failed: it fails alone (no tokens;
     # a round commits its anchor only), the others' results stand
     errors: dict[int, str] = field(default_factory=dict)
+    # index → its new tokens' log-probabilities (sequences that asked: params.logprobs)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    # index → log-probabilities of the prompt tokens its chunk's rows predict (prompt_targets)
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
 
 def describe(error: Exception) -> str:
@@ -149,8 +157,36 @@ class ModelRunner:
             for row, tok in enumerate(tokens.tolist()):
                 if sampled[row] not in errors:
                     new_tokens[sampled[row]] = [tok]
+            rows = [r for r, i in enumerate(sampled) if i not in errors]
+            logprobs = self._logprobs(seqs, [sampled[r] for r in rows],
+                                      [logits[r : r + 1] for r in rows],
+                                      [new_tokens[sampled[r]] for r in rows])
+        else:
+            logprobs = {}
+        prompt = {}
+        for i, s in enumerate(seqs):
+            if s.prompt_targets:
+                lo = batch.cu_seqlens[i]
+                prompt[i] = rows_logprobs(self.model.compute_logits,
+                                          hidden[lo : lo + len(s.prompt_targets)],
+                                          s.prompt_targets, s.params.prompt_logprobs or 0)
         return StepOutput(new_tokens, [0] * len(seqs), batch.query_lens, aux, batch.positions,
-                          errors)
+                          errors, logprobs, prompt)
+
+    @staticmethod
+    def _logprobs(seqs: list[SeqInput], idx: list[int], logits: list[torch.Tensor],
+                  tokens: list[list[int]]) -> dict[int, list[TokenLogprob]]:
+        """Per sequence idx[j]: its tokens[j] drawn from logits[j] rows, for the sequences that
+        asked for log-probabilities; one pass and one host read for all of them."""
+        want = [j for j, i in enumerate(idx) if seqs[i].params.logprobs is not None
+                and tokens[j]]
+        if not want:
+            return {}
+        tops = [seqs[idx[j]].params.logprobs for j in want]
+        flat = token_logprobs(torch.cat([logits[j][: len(tokens[j])] for j in want]),
+                              [t for j in want for t in tokens[j]], max(tops))
+        parts = split_rows(flat, [len(tokens[j]) for j in want], tops)
+        return {idx[j]: part for j, part in zip(want, parts, strict=True)}
 
     @staticmethod
     def _accept_greedy(seqs: list[SeqInput], batch: ForwardBatch, logits: torch.Tensor,
@@ -261,5 +297,9 @@ class ModelRunner:
             commit([n + 1 for n in num_accepted])
         rows = torch.cat(kept_rows).to(aux.device)
         committed = [n + 1 for n in num_accepted]
+        # token j of a sequence's new ones was drawn from its block's row j
+        logprobs = self._logprobs(seqs, list(range(len(seqs))),
+                                        [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))],
+                                        new_tokens)
         return StepOutput(new_tokens, num_accepted, committed, aux[rows], batch.positions[rows],
-                          errors)
+                          errors, logprobs)

@@ -106,6 +106,7 @@ def run_target_loop(worker) -> None:
                 out, res.verify_s = stepper.run(msg, drafts)
                 res.new_tokens, res.num_accepted = out.new_tokens, out.num_accepted
                 res.errors = out.errors
+                res.logprobs, res.prompt_logprobs = out.logprobs, out.prompt_logprobs
                 if results is not None and worker.aux_sender is not None \
                         and draft_writes_context(msg):
                     res.aux = worker.aux_sender.put(out.aux, out.aux_positions)

@@ -71,7 +71,9 @@ class TargetStepper:
         if msg.kind is StepKind.PREFILL:
             out = self.runner.prefill([
                 SeqInput(s.seq_id, s.prompt_ids[start : start + n], start, s.block_table,
-                         s.state_slot, s.params, sample=sample)
+                         s.state_slot, s.params, sample=sample,
+                         prompt_targets=None if s.params.prompt_logprobs is None
+                         else s.prompt_ids[start + 1 : start + n + 1])
                 for s, start, n, sample in zip(seqs, msg.starts, msg.chunk_lens, msg.samples,
                                                strict=True)])
         elif msg.kind is StepKind.ROUND:
