@@ -342,7 +342,8 @@ class LocalEngineClient:
         if req is not None:
             self._engine_abort(cmd.request_id)
             last = req.last or RequestOutput(cmd.request_id, [], [], [], False, None, [])
-            self._end(req, replace(last, new_token_ids=[], finished=True, finish_reason="abort"))
+            self._end(req, replace(last, new_token_ids=[], new_logprobs=None,
+                                   prompt_logprobs=None, finished=True, finish_reason="abort"))
         if cmd.done is not None:
             cmd.done()
 

@@ -11,6 +11,7 @@ aborted as soon as one appears).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -50,7 +51,10 @@ from deploy.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -60,24 +64,31 @@ from deploy.protocol import (
     RequestError,
     SamplingDefaults,
     TokenizeRequest,
+    TopLogprob,
     Usage,
     parse_request,
     value_error,
 )
+from workers.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class _Generation:
-    """One request's stream of (text delta, token ids, finish reason)."""
+    """One choice's stream of (text delta, token ids, their log-probabilities, finish
+    reason). `echo_only` (max_tokens 0 with echo): the engine generates one token for the
+    prompt's log-probabilities, and the choice reports none."""
 
     def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], params,
-                 text: TextStream, timing: RequestTiming):
+                 text: TextStream, timing: RequestTiming, echo_only: bool = False):
         self.prompt_ids = prompt_ids
         self.text = text
         self.timing = timing
+        self.echo_only = echo_only
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None
         self._stream = client.generate(request_id, prompt_ids, params, timing)
         self._first = None
@@ -86,32 +97,88 @@ class _Generation:
         """Waits for the first output, so request errors surface before any response."""
         try:
             self._first = await anext(self._stream)
+            self.prompt_logprobs = self._first.prompt_logprobs
         except BaseException:
             await self._stream.aclose()
             raise
 
-    async def deltas(self) -> AsyncIterator[tuple[str, list[int], str | None]]:
+    async def close(self) -> None:
+        await self._stream.aclose()  # aborts the engine request if it is still running
+
+    async def deltas(self) -> AsyncIterator[tuple[str, list[int], list[TokenLogprob],
+                                                  str | None]]:
         out = self._first
         try:
+            if self.echo_only:
+                while not out.finished:
+                    out = await anext(self._stream)
+                self.finish_reason = "length" if out.finish_reason != "abort" else "abort"
+                yield "", [], [], self.finish_reason
+                return
             while True:
-                ids = out.new_token_ids[: self.text.add(out.new_token_ids)]
+                kept = self.text.add(out.new_token_ids)
+                ids, lps = out.new_token_ids[:kept], (out.new_logprobs or [])[:kept]
                 self.token_ids += ids
+                self.logprobs += lps
                 done = self.text.stopped or out.finished
                 delta = self.text.release(final=done)  # may still meet a stop string
                 if done:
                     self.finish_reason = "stop" if self.text.stopped else out.finish_reason
-                    yield delta, ids, self.finish_reason
+                    yield delta, ids, lps, self.finish_reason
                     return
                 if delta or ids:
-                    yield delta, ids, None
+                    yield delta, ids, lps, None
                 out = await anext(self._stream)
         finally:
-            await self._stream.aclose()  # aborts the engine request if it is still running
+            await self.close()
 
     @property
-    def usage(self) -> Usage:
-        n, m = len(self.prompt_ids), len(self.token_ids)
-        return Usage(prompt_tokens=n, completion_tokens=m, total_tokens=n + m)
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _usage(gens: list[_Generation]) -> Usage:
+    """Each prompt counts once however many choices it has; every choice's tokens count."""
+    prompts = {id(g.prompt_ids): len(g.prompt_ids) for g in gens}
+    n, m = sum(prompts.values()), sum(g.completion_tokens for g in gens)
+    return Usage(prompt_tokens=n, completion_tokens=m, total_tokens=n + m)
+
+
+async def _merged(gens: list[_Generation]) -> AsyncIterator[tuple[int, tuple]]:
+    """Every choice's deltas as they come, tagged with the choice's index. A choice that
+    raises raises here; closing this closes (aborts) every choice still running."""
+    if len(gens) == 1:
+        async with aclosing(gens[0].deltas()) as deltas:
+            async for item in deltas:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: _Generation) -> None:
+        try:
+            async with aclosing(gen.deltas()) as deltas:
+                async for item in deltas:
+                    await queue.put((i, item))
+            await queue.put((i, done))
+        except Exception as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -185,6 +252,7 @@ def as_request_error(e: Exception) -> RequestError:
                         None, "internal_error", 500, "internal_server_error")
 
 
+MIN_LOGPROB = -9999.0  # what -inf is reported as (vLLM's value)
 # A text prompt of more characters than the context × this cannot fit and is refused before
 # it is tokenized (tokenizing megabytes takes seconds).
 MAX_CHARS_PER_TOKEN = 64
@@ -226,25 +294,28 @@ class OpenAIServer:
         self.metrics.observe_error(endpoint, err.status)
         return JSONResponse(err.body(), status_code=err.status)
 
-    async def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        """The prompt's token ids; text is tokenized off the event loop (other streams and
-        /health go on meanwhile)."""
+    async def _prompts(self, req: CompletionRequest | ChatCompletionRequest
+                       ) -> list[tuple[list[int], str | None]]:
+        """Each prompt's token ids, and its text where the request gave text (echo repeats
+        it as given); text is tokenized off the event loop (other streams and /health go on
+        meanwhile)."""
         if isinstance(req, ChatCompletionRequest):
-            return await self._chat_ids(req.messages, True, req.chat_template_kwargs)
-        prompt = req.prompt
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-            ids = list(prompt)
-        else:
-            self._need_tokenizer("prompt")
-            text = prompt if isinstance(prompt, str) else prompt[0]
-            self._check_chars(len(text), "prompt")
-            ids = await asyncio.to_thread(self.tokenizer.encode, text)
-        if not ids:
-            raise RequestError("prompt is empty", "prompt")
-        if any(not 0 <= t < self.client.vocab_size for t in ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.client.vocab_size})",
-                               "prompt")
-        return ids
+            return [(await self._chat_ids(req.messages, True, req.chat_template_kwargs), None)]
+        out = []
+        for prompt in req.prompts:
+            if isinstance(prompt, list):
+                ids, text = list(prompt), None
+            else:
+                self._need_tokenizer("prompt")
+                self._check_chars(len(prompt), "prompt")
+                ids, text = await asyncio.to_thread(self.tokenizer.encode, prompt), prompt
+            if not ids:
+                raise RequestError("prompt is empty", "prompt")
+            if any(not 0 <= t < self.client.vocab_size for t in ids):
+                raise RequestError(f"prompt token ids must be in [0, "
+                                   f"{self.client.vocab_size})", "prompt")
+            out.append((ids, text))
+        return out
 
     async def _chat_ids(self, messages, add_generation_prompt: bool,
                         template_kwargs: dict | None) -> list[int]:
@@ -279,6 +350,8 @@ class OpenAIServer:
                 "shorten the prompt", "messages" if chat else "prompt", "context_length_exceeded")
         if requested is None:
             return context - num_prompt
+        if requested == 0 and not chat and req.echo:
+            return 0
         if requested <= 0:
             raise RequestError(f"{param} must be a positive integer, got {requested}", param)
         if num_prompt + requested > context:
@@ -324,99 +397,198 @@ class OpenAIServer:
 
     async def create(self, request: Request, chat: bool) -> Response:
         endpoint = "chat_completions" if chat else "completions"
-        timing = RequestTiming()
-        gen = None
+        gens: list[_Generation] = []
         try:
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest,
                                 await self._body(request))
             self._check_model(req.model)
             if req.stop_strings:
                 self._need_tokenizer("stop")
-            prompt_ids = await self._prompt_ids(req)
-            params = req.sampling_params(self._max_tokens(req, len(prompt_ids)), self.defaults)
+            logprobs, prompt_logprobs = req.logprob_counts()
+            if logprobs is not None or prompt_logprobs is not None or \
+                    (not chat and req.echo):
+                self._need_tokenizer("logprobs" if logprobs is not None else "echo")
+            prompts = await self._prompts(req)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            gen = _Generation(self.client, request_id, prompt_ids, params,
-                              TextStream(self.tokenizer, req.stop_strings), timing)
-            await _unless_disconnected(request, gen.start())
+            n = req.num_choices
+            for ids, _ in prompts:
+                budget = self._max_tokens(req, len(ids))
+                params = req.sampling_params(max(budget, 1), self.defaults)
+                for j in range(n):
+                    if params.seed is not None and j:  # the choices of one seed differ
+                        params = dataclasses.replace(params, seed=params.seed + 1)
+                    engine_id = request_id if len(prompts) * n == 1 else \
+                        f"{request_id}-{len(gens)}"
+                    gens.append(_Generation(self.client, engine_id, ids, params,
+                                            TextStream(self.tokenizer, req.stop_strings),
+                                            RequestTiming(), echo_only=budget == 0))
+            await _unless_disconnected(request, self._start(gens))
+            echoes = [text for _, text in prompts for _ in range(n)]
             if req.stream:
-                body = self._stream(endpoint, req, request_id, gen)
+                body = self._stream(endpoint, req, request_id, gens, echoes)
                 # Starlette does not close the body after a disconnect; closing it aborts the
                 # engine request now rather than whenever the generator is collected.
                 return StreamingResponse(body, media_type="text/event-stream",
                                          background=BackgroundTask(body.aclose))
-            response = await _unless_disconnected(request, self._complete(req, request_id, gen))
-        except ClientDisconnect:  # the engine request was aborted; nobody reads a reply
-            if gen is not None:
-                self._observe(endpoint, gen)
+            response = await _unless_disconnected(
+                request, self._complete(req, request_id, gens, echoes))
+        except ClientDisconnect:  # the engine requests were aborted; nobody reads a reply
+            self._observe(endpoint, gens)
             return Response(status_code=499)
         except Exception as e:
             return self.error(endpoint, e)
-        self._observe(endpoint, gen)
+        self._observe(endpoint, gens)
         return JSONResponse(response.model_dump(mode="json"))
 
-    async def _complete(self, req, request_id: str, gen: _Generation
+    @staticmethod
+    async def _start(gens: list[_Generation]) -> None:
+        """Starts every choice; if one fails, the others are aborted and its error raised."""
+        results = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+            raise failed[0]
+
+    # ---- log-probabilities as the API shows them -----------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def _finite(logprob: float) -> float:
+        return max(logprob, MIN_LOGPROB)  # JSON has no -inf
+
+    def _completion_logprobs(self, ids: list[int], lps: list[TokenLogprob | None],
+                             offset: int) -> CompletionLogprobs:
+        """Legacy completions logprobs of tokens `ids` whose text starts at `offset`."""
+        out = CompletionLogprobs()
+        for tok, lp in zip(ids, lps, strict=True):
+            text = self._token_text(tok)
+            out.tokens.append(text)
+            out.token_logprobs.append(None if lp is None else self._finite(lp.logprob))
+            out.top_logprobs.append(None if lp is None else {
+                self._token_text(t): self._finite(v) for t, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def _chat_logprobs(self, ids: list[int], lps: list[TokenLogprob]) -> ChatLogprobs:
+        def entry(tok: int, logprob: float) -> dict:
+            text = self._token_text(tok)
+            return {"token": text, "logprob": self._finite(logprob),
+                    "bytes": list(text.encode("utf-8"))}
+
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**entry(tok, lp.logprob),
+                             top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top])
+            for tok, lp in zip(ids, lps, strict=True)])
+
+    def _echo(self, gen: _Generation, text: str | None) -> str:
+        return text if text is not None else self.tokenizer.decode(gen.prompt_ids)
+
+    # ---- responses -----------------------------------------------------------------------
+
+    async def _complete(self, req, request_id: str, gens: list[_Generation],
+                        echoes: list[str | None]
                         ) -> CompletionResponse | ChatCompletionResponse:
-        text, ids = [], []
-        async with aclosing(gen.deltas()) as deltas:
-            async for delta, delta_ids, _ in deltas:
-                text.append(delta)
-                ids += delta_ids
-        token_ids = ids if req.return_token_ids else None
-        common = dict(id=request_id, model=self.client.model_name, usage=gen.usage,
-                      prompt_token_ids=gen.prompt_ids if req.return_token_ids else None)
+        texts: list[list[str]] = [[] for _ in gens]
+        async with aclosing(_merged(gens)) as deltas:
+            async for i, (delta, _, _, _) in deltas:
+                texts[i].append(delta)
+        tokens = req.return_token_ids
+        common = dict(id=request_id, model=self.client.model_name, usage=_usage(gens))
+        single_prompt = len({id(g.prompt_ids) for g in gens}) == 1
+        if tokens and single_prompt:
+            common["prompt_token_ids"] = gens[0].prompt_ids
+        wants_logprobs = req.logprob_counts()[0] is not None
         if isinstance(req, ChatCompletionRequest):
             return ChatCompletionResponse(**common, choices=[ChatChoice(
-                message=AssistantMessage(content="".join(text)), finish_reason=gen.finish_reason,
-                token_ids=token_ids)])
-        return CompletionResponse(**common, choices=[CompletionChoice(
-            text="".join(text), finish_reason=gen.finish_reason, token_ids=token_ids)])
+                index=i, message=AssistantMessage(content="".join(text)),
+                finish_reason=g.finish_reason, token_ids=g.token_ids if tokens else None,
+                logprobs=self._chat_logprobs(g.token_ids, g.logprobs) if wants_logprobs
+                else None)
+                for i, (g, text) in enumerate(zip(gens, texts, strict=True))])
+        choices = []
+        for i, (g, text, echo) in enumerate(zip(gens, texts, echoes, strict=True)):
+            body, lp_ids, lps = "".join(text), g.token_ids, g.logprobs
+            if req.echo:
+                prompt_text = self._echo(g, echo)
+                body = prompt_text + body
+                lp_ids = g.prompt_ids + g.token_ids
+                lps = (g.prompt_logprobs or [None] * len(g.prompt_ids)) + g.logprobs
+            choices.append(CompletionChoice(
+                index=i, text=body, finish_reason=g.finish_reason,
+                token_ids=g.token_ids if tokens else None,
+                prompt_token_ids=g.prompt_ids if tokens and not single_prompt else None,
+                logprobs=self._completion_logprobs(lp_ids, lps, 0) if wants_logprobs
+                else None))
+        return CompletionResponse(**common, choices=choices)
 
-    async def _stream(self, endpoint: str, req, request_id: str, gen: _Generation
-                      ) -> AsyncIterator[str]:
+    async def _stream(self, endpoint: str, req, request_id: str, gens: list[_Generation],
+                      echoes: list[str | None]) -> AsyncIterator[str]:
         chat = isinstance(req, ChatCompletionRequest)
         created, model = int(time.time()), self.client.model_name
         exclude = None if req.include_usage else {"usage"}
-        first_ids = {"prompt_token_ids": gen.prompt_ids} if req.return_token_ids else {}
+        first_ids = {"prompt_token_ids": gens[0].prompt_ids} \
+            if req.return_token_ids and len({id(g.prompt_ids) for g in gens}) == 1 else {}
+        wants_logprobs = req.logprob_counts()[0] is not None
+        offsets = [0] * len(gens)  # each choice's text_offset so far
 
-        def chunk(text: str | None, ids: list[int] | None, finish: str | None,
+        def chunk(i: int, text: str | None, ids: list[int] | None,
+                  lps: list[TokenLogprob | None] | None, finish: str | None,
                   role: str | None = None) -> str:
-            ids = ids if req.return_token_ids else None
+            token_ids = ids if req.return_token_ids else None
             if chat:
+                logprobs = self._chat_logprobs(ids, lps) if wants_logprobs and ids else None
                 body = ChatCompletionChunk(id=request_id, created=created, model=model,
                                            **first_ids, choices=[ChatChunkChoice(
-                                               delta=DeltaMessage(role=role, content=text),
-                                               finish_reason=finish, token_ids=ids)])
+                                               index=i, delta=DeltaMessage(role=role,
+                                                                           content=text),
+                                               finish_reason=finish, token_ids=token_ids,
+                                               logprobs=logprobs)])
             else:
+                logprobs = None
+                if wants_logprobs and ids:
+                    logprobs = self._completion_logprobs(ids, lps, offsets[i])
+                    offsets[i] += sum(map(len, logprobs.tokens))
                 body = CompletionResponse(id=request_id, created=created, model=model,
                                           **first_ids, choices=[CompletionChoice(
-                                              text=text, finish_reason=finish, token_ids=ids)])
+                                              index=i, text=text, finish_reason=finish,
+                                              token_ids=token_ids, logprobs=logprobs)])
             first_ids.clear()
             return _sse(body.model_dump(mode="json", exclude=exclude))
 
         failed = False
         try:
-            if chat:
-                yield chunk("", None, None, role="assistant")
-            async with aclosing(gen.deltas()) as deltas:
-                async for delta, ids, finish in deltas:
-                    yield chunk(delta, ids, finish)
+            for i, g in enumerate(gens):
+                if chat:
+                    yield chunk(i, "", None, None, None, role="assistant")
+                elif req.echo:  # the prompt first, with its log-probabilities
+                    yield chunk(i, self._echo(g, echoes[i]), g.prompt_ids,
+                                g.prompt_logprobs or [None] * len(g.prompt_ids), None)
+            async with aclosing(_merged(gens)) as deltas:
+                async for i, (delta, ids, lps, finish) in deltas:
+                    yield chunk(i, delta, ids, lps, finish)
             if req.include_usage:
                 cls = ChatCompletionChunk if chat else CompletionResponse
                 yield _sse(cls(id=request_id, created=created, model=model, choices=[],
-                               usage=gen.usage).model_dump(mode="json"))
+                               usage=_usage(gens)).model_dump(mode="json"))
             yield _sse("[DONE]")
         except Exception as e:  # headers are sent: report in-band, as OpenAI does
             failed, err = True, as_request_error(e)
             self.metrics.observe_error(endpoint, err.status)
             yield _sse(err.body())
             yield _sse("[DONE]")
-        finally:  # also on client disconnect (cancellation): the engine request was aborted
+        finally:  # also on client disconnect (cancellation): the engine requests were aborted
             if not failed:
-                self._observe(endpoint, gen)
+                self._observe(endpoint, gens)
 
-    def _observe(self, endpoint: str, gen: _Generation) -> None:
-        self.metrics.observe_request(endpoint, gen.finish_reason or "abort", len(gen.prompt_ids),
-                                     len(gen.token_ids), gen.timing, time.monotonic())
+    def _observe(self, endpoint: str, gens: list[_Generation]) -> None:
+        """Every choice counts as a request (an engine request each), as in vLLM."""
+        now = time.monotonic()
+        for g in gens:
+            self.metrics.observe_request(endpoint, g.finish_reason or "abort",
+                                         len(g.prompt_ids), g.completion_tokens, g.timing, now)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The subset of the OpenAI API we serve, as pydantic models, and its error shape.
 
 Requests are parsed leniently where OpenAI's clients send extras (unknown fields are ignored)
-but strictly where silence would mislead: a feature we do not implement (logprobs, penalties,
-n > 1, tools, vLLM's guided decoding, ...) is a 400 naming the field, never quietly dropped,
-and a value of the wrong JSON type is a 400, never coerced ("16" is not a max_tokens).
+but strictly where silence would mislead: a feature we do not implement (penalties, tools,
+vLLM's guided decoding, ...) is a 400 naming the field, never quietly dropped, and a value of
+the wrong JSON type is a 400, never coerced ("16" is not a max_tokens).
 Extensions (vLLM's names): `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`.
 """
 
@@ -18,12 +18,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from configs.engine import SamplingParams
+from configs.engine import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, unless generation_config.json has one
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (1/T would overflow the logits)
 MAX_STOP_STRINGS = 4
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Choices one request may ask for: its prompts × n (each is an engine request of its own).
+MAX_CHOICES = 256
 # Request bodies above this many bytes are a 413 before they are read on (ServeArgs, CLI).
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 # Graceful shutdown: how long requests in flight may run on after SIGTERM (then they end with
@@ -94,7 +96,7 @@ class RequestError(Exception):
 
 # Fields OpenAI (or vLLM, as extensions) defines that we do not implement → 400 unless
 # neutral: absent, null, false, 0, {}, [] (NEUTRAL), or the field's own no-op value.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
+UNSUPPORTED = ("top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "functions", "audio", "prediction",
                # vLLM's extensions
                "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -129,10 +131,11 @@ class _SamplingRequest(BaseModel):
     return_token_ids: bool | None = False  # extension: prompt_token_ids and choices' token_ids
 
     def check(self) -> None:
-        if self.n not in (None, 1):
-            raise RequestError(f"only n=1 is supported, got {self.n}", "n")
-        if self.best_of not in (None, 1):
-            raise RequestError(f"only best_of=1 is supported, got {self.best_of}", "best_of")
+        if not 1 <= self.num_choices <= MAX_CHOICES:
+            raise RequestError(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
+        if self.best_of not in (None, 1, self.n):
+            raise RequestError(f"best_of must equal n (no candidates are ranked), got "
+                               f"{self.best_of}", "best_of")
         for name in UNSUPPORTED:
             value = (self.model_extra or {}).get(name)
             if value not in NEUTRAL and not (name in NO_OP and value == NO_OP[name]):
@@ -147,6 +150,14 @@ class _SamplingRequest(BaseModel):
                                "stream_options")
 
     @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per generated token, per prompt token); None: not asked for."""
+        return None, None
+
+    @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -157,6 +168,7 @@ class _SamplingRequest(BaseModel):
     def sampling_params(self, max_tokens: int,
                         defaults: SamplingDefaults = OPENAI_DEFAULTS) -> SamplingParams:
         temperature = defaults.temperature if self.temperature is None else self.temperature
+        logprobs, prompt_logprobs = self.logprob_counts()
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -164,21 +176,48 @@ class _SamplingRequest(BaseModel):
                 top_p=defaults.top_p if self.top_p is None else self.top_p,
                 top_k=defaults.top_k if self.top_k is None else self.top_k, seed=self.seed,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
-                ignore_eos=bool(self.ignore_eos))
+                ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise value_error(e) from None
 
 
+def _check_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise RequestError(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param)
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS  # None → the rest of the context
+    # one text, one token-id list, or a batch of either: a choice (n of them) per prompt
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # None → the rest of the context; 0 only with echo (the prompt's log-probabilities alone)
+    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
+    logprobs: int | None = None  # the most likely alternatives listed per token
+    echo: bool | None = False  # the prompt before the completion (with its logprobs)
 
     def check(self) -> None:
         super().check()
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise RequestError("a list of prompts must hold exactly one string "
-                                   "(batched prompts are not supported)", "prompt")
+        _check_logprobs(self.logprobs, "logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens must be a positive integer, got 0 (0 is only "
+                               "allowed with echo)", "max_tokens")
+        prompts = self.prompts
+        if not prompts or any(isinstance(p, list) and not p for p in prompts):
+            raise RequestError("prompt is empty", "prompt")
+        if len(prompts) * self.num_choices > MAX_CHOICES:
+            raise RequestError(f"{len(prompts)} prompts × n={self.num_choices} choices: at most "
+                               f"{MAX_CHOICES} in one request", "prompt")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: text prompts or token-id prompts."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
 
 class ContentPart(BaseModel):
@@ -218,14 +257,22 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = None  # wins over max_tokens; None → rest of context
+    logprobs: bool | None = False  # each output token's log-probability
+    top_logprobs: int | None = None  # with logprobs: the most likely alternatives per token
 
     def check(self) -> None:
         super().check()
         check_template_kwargs(self.chat_template_kwargs)
+        _check_logprobs(self.top_logprobs, "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         fmt = (self.model_extra or {}).get("response_format")
         if fmt not in (None, {"type": "text"}):
             raise RequestError("response_format is not supported by this server",
                                "response_format")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -329,12 +376,23 @@ class _Response(BaseModel):
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_absent)  # return_token_ids
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions form: per token its text, log-probability (None for the
+    prompt's first), the alternatives {text: log-probability}, and its offset in the text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_absent)  # return_token_ids
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_absent)  # return_token_ids
 
 
 class CompletionResponse(_Response):
@@ -348,11 +406,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_absent)
 
 
@@ -370,7 +442,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_absent)
 
 

@@ -49,8 +49,8 @@ def catalogue(model: str) -> list[tuple[str, str, bytes]]:
         ("top_p 0", {"top_p": 0}),
         ("top_k -5", {"top_k": -5}),
         ("seed out of range", {"seed": 2**64}),
-        ("n 2", {"n": 2}),
-        ("logprobs", {"logprobs": 2}),
+        ("n 0", {"n": 0}),
+        ("logprobs 21", {"logprobs": 21}),
         ("five stop strings", {"stop": ["a", "b", "c", "d", "e"]}),
         ("an empty stop string", {"stop": [""]}),
         ("guided_json", {"guided_json": {"type": "object"}}),
@@ -66,7 +66,7 @@ def catalogue(model: str) -> list[tuple[str, str, bytes]]:
         ("empty prompt", ""),
         ("token id out of the vocabulary", [10**9]),
         ("token ids as floats", [1.5, 2]),
-        ("two prompts", ["a", "b"]),
+        ("two prompts, one empty", ["a", ""]),
         ("prompt beyond the context", [5] * 10**6),
     ]
     for name, prompt in prompts:

@@ -272,12 +272,22 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
     ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature", None),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p", None),
     ({"model": MODEL, "prompt": "hi", "top_k": -5}, 400, "top_k", None),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", None),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs", None),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", None),
+    ({"model": MODEL, "prompt": "hi", "n": 257}, 400, "n", None),
+    ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", None),
+    ({"model": MODEL, "prompt": ["hi"] * 130, "n": 2}, 400, "prompt", None),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs", None),
+    ({"model": MODEL, "prompt": "hi", "logprobs": -1}, 400, "logprobs", None),
+    ({"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs", None),
+    ({"model": MODEL, "prompt": "hi", "top_logprobs": 2}, 400, "top_logprobs", None),
+    ({"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo", None),
+    ({"model": MODEL, "prompt": [[1, 2], []]}, 400, "prompt", None),
+    ({"model": MODEL, "prompt": []}, 400, "prompt", None),
+    ({"model": MODEL, "prompt": [[1, 2], [1000]]}, 400, "prompt", None),
     ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
     ({"model": MODEL, "prompt": [1000]}, 400, "prompt", None),
     ({"model": MODEL, "prompt": ""}, 400, "prompt", None),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ({"model": MODEL, "prompt": ["a", ""]}, 400, "prompt", None),
     ({"model": MODEL}, 400, "prompt", None),
     # wrong JSON types are refused, never coerced
     ({"model": MODEL, "prompt": "hi", "max_tokens": "16"}, 400, "max_tokens", None),
@@ -311,6 +321,15 @@ BAD_CHATS = [
       "chat_template_kwargs": "enable_thinking"}, 400, "chat_template_kwargs", None),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
       "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs.tokenize", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+     400, "top_logprobs", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+      "top_logprobs": 30}, 400, "top_logprobs", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 2},
+     400, "logprobs", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "echo": True},
+     400, "echo", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n", None),
 ]
 
 
@@ -368,7 +387,7 @@ def test_overload_is_429_and_unexpected_errors_are_500(server, oai, monkeypatch)
     def broken(req):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(server["server"], "_prompt_ids", broken)
+    monkeypatch.setattr(server["server"], "_prompts", broken)
     r = httpx.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
     monkeypatch.undo()
@@ -448,7 +467,7 @@ def test_engine_errors_reach_clients_without_addresses_pids_or_ray_ids(server, m
     def failing(req):
         raise EngineStepError(text)
 
-    monkeypatch.setattr(server["server"], "_prompt_ids", failing)
+    monkeypatch.setattr(server["server"], "_prompts", failing)
     r = httpx.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_step_failed"
     message = r.json()["error"]["message"]
@@ -471,7 +490,9 @@ def test_the_grafana_dashboard_reads_only_series_the_server_exports(server, oai)
     assert httpx.post(f"{server['url']}/v1/completions", json={"prompt": ""}).status_code == 400
     exported = {name for name, _ in scrape_metrics(server["url"])}
     dash = json.loads((DEMO.parents[2] / "deploy" / "grafana-dashboard.json").read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    # $prefix picks /metrics' names (dflash_) or Ray's export of them (ray_dflash_)
+    exprs = [t["expr"].replace("${prefix}", "dflash_") for p in dash["panels"]
+             for t in p["targets"]]
     named = {n for e in exprs for n in re.findall(r"dflash_[a-z0-9_]+", e)}
     assert len(dash["panels"]) >= 10 and named and named <= exported, named - exported
     assert all('model_name=~"$model_name"' in e for e in exprs)
