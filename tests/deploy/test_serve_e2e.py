@@ -133,6 +133,23 @@ def test_completion_and_chat_equal_target_only(app, oai):
     assert m[("dflash_verify_time_per_round_seconds_count", ())] > 0
 
 
+def test_logprobs_echo_and_choices_through_the_cluster(app, oai):
+    """Across the driver and two TP ranks: a batch of two token-id prompts, n=2, echo and
+    logprobs; every log-probability is the target-only engine's."""
+    tok = app["tokenizer"]
+    prompts = [tok.encode("The quick brown fox"), tok.encode("Once upon")]
+    r = oai.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=6, echo=True,
+                               logprobs=2, **GREEDY, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    for i, want in enumerate(app["reference"].generate(prompts, params)):
+        lps = [None] + [x.logprob for x in want.prompt_logprobs[1:] + want.new_logprobs]
+        for choice in r.choices[2 * i : 2 * i + 2]:
+            got = choice.logprobs.token_logprobs
+            assert got[0] is None and got[1:] == pytest.approx(lps[1:], abs=2e-5)
+    wait_idle(app)
+
+
 def test_sixteen_concurrent_streams_are_exact(app):
     prompts = [f"Request {i}: " + "abc " * (i % 5) for i in range(16)]
     lengths = [8 + 3 * i for i in range(16)]
