@@ -264,6 +264,7 @@ class OpenAIServer:
                  defaults: SamplingDefaults = OPENAI_DEFAULTS):
         self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
         self.max_request_bytes, self.defaults = max_request_bytes, defaults
+        self._token_texts: dict[int, str] = {}  # at most the vocabulary
 
     async def _body(self, request: Request) -> bytes:
         """The body, refused with 413 once it is larger than max_request_bytes (by its
@@ -452,7 +453,11 @@ class OpenAIServer:
     # ---- log-probabilities as the API shows them -----------------------------------------
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """A token decoded alone (cached: echo with alternatives decodes thousands)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     @staticmethod
     def _finite(logprob: float) -> float:
