@@ -26,6 +26,7 @@ from deploy.protocol import (
     load_sampling_defaults,
 )
 from deploy.ray_client import DRAIN_MARGIN_S, RayEngineClient
+from deploy.ray_metrics import RayMetricsExport
 from deploy.tokenizer import chat_template_text, load_tokenizer, with_chat_template
 
 log = logging.getLogger(__name__)
@@ -263,9 +264,13 @@ class DFlashServer:
                  self.defaults.top_k)
 
     def __serve_build_asgi_app__(self):
-        return build_app(self.client, self.tokenizer, shutdown_client=True,
-                         max_request_bytes=self.args.max_request_bytes,
-                         options=self.args.api_options(), defaults=self.defaults)
+        app = build_app(self.client, self.tokenizer, shutdown_client=True,
+                        max_request_bytes=self.args.max_request_bytes,
+                        options=self.args.api_options(), defaults=self.defaults)
+        # /metrics' series, also in Ray's metrics export: totals across replicas.
+        self.ray_metrics = RayMetricsExport(app.state.metrics.registry, self.client.refresh)
+        self.ray_metrics.start()
+        return app
 
     async def check_health(self) -> None:
         # Only a dead engine fails the replica: a restart after a worker death is the
