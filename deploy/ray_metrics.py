@@ -75,8 +75,9 @@ class RayMetricsExport:
     async def _run(self) -> None:
         failing = False
         while True:
-            with suppress(Exception):  # a dead engine: its last snapshot, as /metrics does
-                await self.refresh()
+            # A dead or stuck engine: its last snapshot (as /metrics), and the request series.
+            with suppress(Exception):
+                await asyncio.wait_for(self.refresh(), self.period_s)
             try:
                 self.push()
                 failing = False
