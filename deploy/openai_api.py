@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over any `EngineClient`: /v1/models[/{id}],
-/v1/completions, /v1/chat/completions (JSON or SSE), /tokenize, /detokenize (vLLM's),
-/version, /health, /metrics. With an API key, every route but /health and /version needs
-`Authorization: Bearer <key>`; CORS as configured (ApiOptions).
+/v1/completions, /v1/chat/completions (JSON or SSE), /tokenize, /detokenize,
+/tokenizer_info (vLLM's), /version, /health, /metrics. With an API key, every route but
+/health and /version needs `Authorization: Bearer <key>`; CORS as configured (ApiOptions).
 
 Text lives here, token ids in the engine: prompts are tokenised (chat through the target's
 template), outputs detokenised incrementally, and stop strings cut here (the engine request is
@@ -678,6 +678,20 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await server.detokenize(request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        """vLLM's: what a client needs to tokenize as the server does through /tokenize and
+        /detokenize (lm-eval's remote tokenizer): special tokens and the chat template."""
+        if tokenizer is None:
+            err = RequestError("this model has no tokenizer", None, "no_tokenizer", 404)
+            return JSONResponse(err.body(), status_code=404)
+        return JSONResponse({
+            "tokenizer_class": type(tokenizer).__name__,
+            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+            "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": client.max_model_len, "vocab_size": client.vocab_size})
 
     @app.get("/version")
     async def version() -> dict:

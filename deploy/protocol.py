@@ -22,7 +22,8 @@ from configs.engine import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, unless generation_config.json has one
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (1/T would overflow the logits)
-MAX_STOP_STRINGS = 4
+# OpenAI allows 4; lm-eval sends a task's stop strings plus the EOS text (5 and more).
+MAX_STOP_STRINGS = 16
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Choices one request may ask for: its prompts × n (each is an engine request of its own).
 MAX_CHOICES = 256

@@ -51,7 +51,7 @@ def catalogue(model: str) -> list[tuple[str, str, bytes]]:
         ("seed out of range", {"seed": 2**64}),
         ("n 0", {"n": 0}),
         ("logprobs 21", {"logprobs": 21}),
-        ("five stop strings", {"stop": ["a", "b", "c", "d", "e"]}),
+        ("seventeen stop strings", {"stop": list("abcdefghijklmnopq")}),
         ("an empty stop string", {"stop": [""]}),
         ("guided_json", {"guided_json": {"type": "object"}}),
         ("structured_outputs", {"structured_outputs": {"regex": "a+"}}),

@@ -64,6 +64,11 @@ def test_tokenize_and_detokenize_are_the_tokenizers(url, tokenizer):
         messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     back = httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json()
     assert back == {"prompt": tokenizer.decode(r["tokens"])}
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == (
+        tokenizer.eos_token, tokenizer.bos_token, tokenizer.pad_token)
+    assert info["chat_template"] == tokenizer.chat_template and info["chat_template"]
+    assert info["model_max_length"] == r["max_model_len"]
 
 
 @pytest.mark.parametrize(("route", "body", "param"), [

@@ -144,17 +144,21 @@ def greedy_text(server, prompt_ids: list[int], until: list[str]) -> str:
     return text[:cut]
 
 
-@pytest.mark.parametrize("batch_size,num_concurrent", [(1, 1), (4, 2)],
-                         ids=["one-prompt-per-request", "batched-concurrent"])
+@pytest.mark.parametrize("batch_size,num_concurrent,backend",
+                         [(1, 1, "huggingface"), (4, 2, "huggingface"), (4, 1, "remote")],
+                         ids=["one-prompt-per-request", "batched-concurrent",
+                              "server-tokenizer"])
 def test_local_completions_loglikelihood_matches_the_target(server, hf, lm_eval, batch_size,
-                                                            num_concurrent):
+                                                            num_concurrent, backend):
+    """"server-tokenizer": lm-eval tokenizes through /tokenizer_info, /tokenize and
+    /detokenize instead of a local tokenizer."""
     docs = read_jsonl("choice.jsonl")
     tok = server["tokenizer"]
     before, first_post = scrape_metrics(server["url"]), len(server["app"].posts)
     results, samples = evaluate(
         lm_eval, "local-completions", CHOICE, base_url=f"{server['url']}/v1/completions",
-        tokenizer_backend="huggingface", tokenizer=str(TARGET), batch_size=batch_size,
-        num_concurrent=num_concurrent)
+        batch_size=batch_size, num_concurrent=num_concurrent, tokenizer_backend=backend,
+        **({"tokenizer": str(TARGET)} if backend == "huggingface" else {}))
     after = wait_until_idle(server["url"], 15)
 
     assert [s["doc"] for s in samples] == docs
@@ -184,7 +188,9 @@ def test_local_completions_loglikelihood_matches_the_target(server, hf, lm_eval,
 
     # what went over the wire: batches of token-id prompts, one greedy token, the prompt echoed
     # with the top-1 log-probability at each position
-    posts = server["app"].posts[first_post:]
+    if backend == "remote":  # lm-eval counted tokens through the server's tokenizer
+        assert "/tokenize" in {path for path, _ in server["app"].posts[first_post:]}
+    posts = [p for p in server["app"].posts[first_post:] if p[0] == "/v1/completions"]
     assert len(posts) == math.ceil(len(sent) / batch_size)
     for path, body in posts:
         assert path == "/v1/completions" and 1 <= len(body["prompt"]) <= batch_size

@@ -284,7 +284,7 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
     ({"model": MODEL, "prompt": [[1, 2], []]}, 400, "prompt", None),
     ({"model": MODEL, "prompt": []}, 400, "prompt", None),
     ({"model": MODEL, "prompt": [[1, 2], [1000]]}, 400, "prompt", None),
-    ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ({"model": MODEL, "prompt": "hi", "stop": list("abcdefghijklmnopq")}, 400, "stop", None),
     ({"model": MODEL, "prompt": [1000]}, 400, "prompt", None),
     ({"model": MODEL, "prompt": ""}, 400, "prompt", None),
     ({"model": MODEL, "prompt": ["a", ""]}, 400, "prompt", None),
