@@ -48,10 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-serve")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate from one prompt, in process")
-    g.add_argument("--model", required=True, help="target checkpoint directory")
+    g.add_argument("--model", required=True,
+                   help="target checkpoint: a directory or a Hugging Face id (org/name)")
     g.add_argument("--draft-model", "--speculative-draft-model",
                    "--speculative-draft-model-path", dest="draft_model",
-                   help="DFlash draft checkpoint directory (omit for plain decoding)")
+                   help="DFlash draft checkpoint: a directory or a Hugging Face id (omit for "
+                        "plain decoding)")
+    g.add_argument("--revision", help="the model's Hub revision when it is an id (default main)")
+    g.add_argument("--draft-revision", "--speculative-draft-model-revision",
+                   dest="draft_revision", help="the draft's Hub revision (default main)")
     g.add_argument("--speculative-dflash-block-size", type=int, dest="block_size",
                    help="verify block size B (proposes B-1 tokens); default: the draft's")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -86,16 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
 def generate(args: argparse.Namespace) -> dict:
     from cluster.engine import LLMEngine
     from configs.engine import EngineConfig, SamplingParams
+    from configs.hub import resolve_model
     from configs.model import TargetConfig
     from deploy.tokenizer import load_tokenizer
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             ignore_eos=args.ignore_eos)
-    cfg = EngineConfig(model=args.model, draft_model=args.draft_model, block_size=args.block_size,
+    if args.draft_revision and not args.draft_model:
+        raise ValueError("--draft-revision needs --draft-model")
+    model = resolve_model(args.model, "--model", args.revision)  # hub ids: the cache's copy
+    draft = (resolve_model(args.draft_model, "--draft-model", args.draft_revision)
+             if args.draft_model else None)
+    cfg = EngineConfig(model=model, draft_model=draft, block_size=args.block_size,
                        device=args.device, dtype=args.dtype, max_num_seqs=1)
-    target = TargetConfig.from_pretrained(args.model)  # a ValueError naming the file, first
-    tokenizer = load_tokenizer(args.model)
+    target = TargetConfig.from_pretrained(model)  # a ValueError naming the file, first
+    tokenizer = load_tokenizer(model)
     if args.prompt is not None:
         if tokenizer is None:
             raise ValueError(f"{args.model} has no tokenizer; pass --prompt-ids instead")
@@ -165,11 +176,11 @@ _TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, 
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServeArgs field (deploy/app.py): --field-name and its aliases, its help
+    """One flag per ServeArgs field (deploy/args.py): --field-name and its aliases, its help
     and default; lists and objects as JSON."""
     from dataclasses import MISSING, fields
 
-    from deploy.app import ServeArgs
+    from deploy.args import ServeArgs
 
     for f in fields(ServeArgs):
         names = [f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", ())]
@@ -201,7 +212,7 @@ def serve_args(args: argparse.Namespace):
 
     import torch
 
-    from deploy.app import ServeArgs
+    from deploy.args import ServeArgs
 
     values = {f.name: getattr(args, f.name) for f in fields(ServeArgs)}
     if values["device"] is None:
@@ -217,6 +228,8 @@ def serve_forever(args: argparse.Namespace) -> int:
 
     sargs = serve_args(args)
     device = sargs.device
+    if not args.address:  # the replicas run here: hub ids downloaded once, before Ray starts
+        sargs.model_dirs()
     app = build_deployment(sargs, num_replicas=args.num_replicas)  # ValueError: bad args
 
     import ray
