@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log level of Ray Serve's HTTP proxy and replicas")
     s.add_argument("--num-replicas", type=int, default=1, help="engines (data parallel)")
     s.add_argument("--address", help="Ray cluster to join (e.g. auto); default: start one")
+    s.add_argument("--metrics-export-port", type=int, default=None,
+                   help="the Ray this command starts (no --address) exports every replica's "
+                        "metrics on this port for Prometheus (ray start's flag of that name); "
+                        "default: a random one")
     return parser
 
 
@@ -157,15 +161,20 @@ def generate(args: argparse.Namespace) -> dict:
     }
 
 
-def _init_ray(address: str | None, tp: int) -> None:
+def _init_ray(address: str | None, tp: int, metrics_export_port: int | None = None) -> None:
     import os
 
     import ray
 
     if address:
+        if metrics_export_port is not None:
+            raise ValueError("--metrics-export-port sets up the Ray this command starts; with "
+                             "--address pass it to `ray start` on each node instead")
         ray.init(address=address)
     else:  # logical CPUs: each TP worker holds one, whatever the core count
-        ray.init(num_cpus=max(os.cpu_count() or 1, tp), include_dashboard=False)
+        extra = {} if metrics_export_port is None else {
+            "_metrics_export_port": metrics_export_port}
+        ray.init(num_cpus=max(os.cpu_count() or 1, tp), include_dashboard=False, **extra)
 
 
 # Where the CLI's default differs from ServeArgs': resolved when the flags are read.
@@ -237,7 +246,7 @@ def serve_forever(args: argparse.Namespace) -> int:
 
     from deploy.ray_client import drain_engines
 
-    _init_ray(args.address, args.tp)
+    _init_ray(args.address, args.tp, args.metrics_export_port)
     stop, force = threading.Event(), threading.Event()
 
     def on_signal(*_) -> None:  # the first: drain; a second: stop now

@@ -211,3 +211,22 @@ def test_generate_refuses_what_cannot_fit_and_a_model_that_is_a_file(capsys, tmp
     weights = next((DEMO / "target").glob("*.safetensors"))
     assert main(["generate", "--model", str(weights), "--prompt", "hi"]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_metrics_export_port_reaches_the_ray_serve_starts(monkeypatch):
+    """`serve --metrics-export-port P` starts its Ray with the metrics export on P (where
+    Prometheus scrapes every replica's series); with --address it is `ray start`'s job."""
+    import ray
+
+    from deploy import cli
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    args = cli.build_parser().parse_args(["serve", "--model", "m", "--metrics-export-port",
+                                          "9123"])
+    cli._init_ray(args.address, 1, args.metrics_export_port)
+    assert calls[-1]["_metrics_export_port"] == 9123
+    cli._init_ray(None, 1)
+    assert "_metrics_export_port" not in calls[-1]
+    with pytest.raises(ValueError, match="ray start"):
+        cli._init_ray("auto", 1, 9123)
