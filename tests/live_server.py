@@ -1,12 +1,15 @@
 """Test support (on pytest's pythonpath): an ASGI app served by uvicorn on 127.0.0.1 in a
-thread, a Prometheus scrape of its /metrics, and a wait until the engine is idle."""
+thread, the demo pair behind the OpenAI API that way, a Prometheus scrape of its /metrics, and
+a wait until the engine is idle."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx2 as httpx
 import uvicorn
@@ -31,6 +34,37 @@ def serve_in_thread(app) -> tuple[str, Callable[[], None]]:
         sock.close()
 
     return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
+
+
+DEMO = Path(__file__).resolve().parent / "assets" / "tiny"
+
+
+@contextmanager
+def demo_api(model_name: str, wrap: Callable | None = None) -> Iterator[dict]:
+    """The demo target and its trained draft (B = 8) in process behind the OpenAI API, served
+    by uvicorn, with a target-only engine as the reference. `wrap` wraps the ASGI app (a
+    recorder). Yields url, client, tokenizer, reference, server (the OpenAIServer), app."""
+    from cluster.engine import LLMEngine
+    from configs.engine import EngineConfig
+    from deploy.engine_client import LocalEngineClient
+    from deploy.openai_api import build_app
+    from deploy.tokenizer import load_tokenizer
+
+    target, draft = str(DEMO / "target"), str(DEMO / "draft")
+    engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=8,
+                                    max_num_seqs=16, kv_block_size=8))
+    client = LocalEngineClient(engine, model_name)
+    tokenizer = load_tokenizer(target)
+    app = build_app(client, tokenizer)
+    served = wrap(app) if wrap is not None else app
+    url, stop = serve_in_thread(served)
+    reference = LLMEngine(EngineConfig(model=target, max_num_seqs=16))
+    try:
+        yield {"url": url, "client": client, "tokenizer": tokenizer, "reference": reference,
+               "server": app.state.server, "app": served}
+    finally:
+        stop()
+        client.close()
 
 
 def scrape_metrics(base_url: str, timeout: float = 30,

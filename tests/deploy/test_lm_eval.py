@@ -18,14 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from live_server import scrape_metrics, serve_in_thread, wait_until_idle
+from live_server import demo_api, scrape_metrics, wait_until_idle
 from transformers import Qwen3_5MoeForCausalLM
 
-from cluster.engine import LLMEngine
-from configs.engine import EngineConfig, SamplingParams
-from deploy.engine_client import LocalEngineClient
-from deploy.openai_api import build_app
-from deploy.tokenizer import load_tokenizer
+from configs.engine import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "tests" / "assets"
@@ -65,16 +61,8 @@ class RecordingApp:
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(EngineConfig(model=str(TARGET), draft_model=str(DRAFT), block_size=8,
-                                    max_num_seqs=16, kv_block_size=8))
-    client = LocalEngineClient(engine, MODEL)
-    tokenizer = load_tokenizer(str(TARGET))
-    app = RecordingApp(build_app(client, tokenizer))
-    url, stop = serve_in_thread(app)
-    reference = LLMEngine(EngineConfig(model=str(TARGET), max_num_seqs=16))  # target only
-    yield {"url": url, "app": app, "tokenizer": tokenizer, "reference": reference}
-    stop()
-    client.close()
+    with demo_api(MODEL, wrap=RecordingApp) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,12 @@ import httpx2 as httpx
 import openai
 import pytest
 import torch
-from live_server import scrape_metrics, serve_in_thread, wait_until_idle
+from live_server import demo_api, scrape_metrics, wait_until_idle
 
-from cluster.engine import LLMEngine
-from configs.engine import EngineConfig, SamplingParams
+from configs.engine import SamplingParams
 from deploy import openai_api
 from deploy.detokenizer import TextStream
-from deploy.engine_client import EngineDeadError, LocalEngineClient
-from deploy.openai_api import build_app
-from deploy.tokenizer import load_tokenizer
+from deploy.engine_client import EngineDeadError
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 MODEL = "tiny-dflash"
@@ -28,18 +25,8 @@ GREEDY = {"temperature": 0.0}
 
 @pytest.fixture(scope="module")
 def server():
-    target, draft = str(DEMO / "target"), str(DEMO / "draft")
-    engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=8,
-                                    max_num_seqs=16, kv_block_size=8))
-    client = LocalEngineClient(engine, MODEL)
-    tokenizer = load_tokenizer(target)
-    app = build_app(client, tokenizer)
-    url, stop = serve_in_thread(app)
-    reference = LLMEngine(EngineConfig(model=target, max_num_seqs=16))  # target only
-    yield {"url": url, "client": client, "tokenizer": tokenizer,
-           "reference": reference, "server": app.state.server}
-    stop()
-    client.close()
+    with demo_api(MODEL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,9 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
-from live_server import serve_in_thread, wait_until_idle
+from live_server import demo_api, wait_until_idle
 
-from cluster.engine import LLMEngine
-from configs.engine import EngineConfig, SamplingParams
-from deploy.engine_client import LocalEngineClient
-from deploy.openai_api import build_app
-from deploy.tokenizer import load_tokenizer
+from configs.engine import SamplingParams
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 MODEL = "tiny-dflash"
@@ -26,16 +22,8 @@ TOL = 2e-5
 
 @pytest.fixture(scope="module")
 def server():
-    target, draft = str(DEMO / "target"), str(DEMO / "draft")
-    engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=8,
-                                    max_num_seqs=16, kv_block_size=8))
-    client = LocalEngineClient(engine, MODEL)
-    tokenizer = load_tokenizer(target)
-    url, stop = serve_in_thread(build_app(client, tokenizer))
-    reference = LLMEngine(EngineConfig(model=target, max_num_seqs=16))  # target only
-    yield {"url": url, "tokenizer": tokenizer, "reference": reference}
-    stop()
-    client.close()
+    with demo_api(MODEL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
