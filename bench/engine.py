@@ -40,7 +40,6 @@ from configs.presets import draft_preset, target_preset
 from draft.proposer import DraftRunner
 from target.kernels import fused
 from target.layers.gdn import GatedDeltaNet
-from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from target.layers.moe import FusedExperts, SparseMoE
 from workers.cache import allocate_target_caches
 from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, num_scratch_pages
@@ -278,9 +277,6 @@ def parser() -> argparse.ArgumentParser:
                    help="decode, rounds and draft blocks: EngineConfig.attention_backend")
     p.add_argument("--moe", choices=["auto", "pairs", "grouped", "gathered", "reference"],
                    default="auto", help="routed-expert kernel (auto: see FusedExperts)")
-    p.add_argument("--dense", choices=["torch", "small"], default="torch",
-                   help="dense projections (target/layers/linear.py dense()): F.linear, or the "
-                        "small-row Triton GEMV up to 16 rows")
     p.add_argument("--moe-inputs", choices=["fused", "separate"], default="separate",
                    help="router, shared expert gate/up and its gate as one GEMM (SparseMoE) or "
                         "three")
@@ -344,8 +340,6 @@ def main() -> None:
     for m in target.modules():
         if isinstance(m, FusedExperts):
             m.kernel = args.moe
-        if isinstance(m, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)):
-            m.kernel = args.dense
     bw = measure_bandwidth(device, nbytes=(2 << 30) if device.type == "cuda" else (64 << 20))
     results = {"args": vars(args), "device": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu", "torch": torch.__version__,

@@ -2,10 +2,6 @@
 
 Each layer allocates only its own shard and owns a `weight_loader(param, src, shard_id)` that
 reads its rows/columns out of the full checkpoint tensor `src` (a lazy `WeightSource`).
-
-The product itself is `dense`: F.linear, or (opt-in, `kernel = "small"`) the Triton GEMV of
-target/kernels/linear_triton.py for at most SMALL_LINEAR_MAX_ROWS rows, which its docstring
-says why is not the default.
 """
 
 from __future__ import annotations
@@ -15,27 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from target.distributed import TPGroup, all_reduce
-from target.kernels.linear_triton import SMALL_LINEAR_MAX_ROWS, small_linear
 from target.weights import WeightSource, copy_into, expect_shape
-
-DENSE_KERNELS = ("torch", "small")
-
-
-def dense(x: torch.Tensor, weight: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
-    """x [T, in] @ weight [out, in].T through F.linear ("torch"), or through the small-row
-    Triton GEMV ("small": CUDA or Triton's interpreter, x 2-D with at most
-    SMALL_LINEAR_MAX_ROWS rows; F.linear for more rows)."""
-    if kernel not in DENSE_KERNELS:
-        raise ValueError(f"dense kernel {kernel!r} is not one of {DENSE_KERNELS}")
-    if kernel == "small" and x.dim() == 2 and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
-        return small_linear(x, weight)
-    return F.linear(x, weight)
 
 
 class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
-        self.kernel = "torch"  # dense()'s kernel
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
 
@@ -44,7 +25,7 @@ class ReplicatedLinear(nn.Module):
         copy_into(param.data, src.read(), src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight, self.kernel)
+        return F.linear(x, self.weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -73,7 +54,6 @@ class ColumnParallelLinear(nn.Module):
         self.output_sizes = list(output_sizes)
         self.local_sizes = [s // self.num_shards for s in output_sizes]
         local_out = sum(self.local_sizes)
-        self.kernel = "torch"  # dense()'s kernel
         self.weight = nn.Parameter(torch.empty(local_out, in_features, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
 
@@ -97,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
             src_off += self.output_sizes[i]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight, self.kernel)
+        return F.linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -109,7 +89,6 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.reduce = reduce
-        self.kernel = "torch"  # dense()'s kernel
         self.in_local = tp.shard(in_features, "row-parallel input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
@@ -120,7 +99,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, src.read(slice(None), slice(start, start + self.in_local)), src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense(x, self.weight, self.kernel)
+        y = F.linear(x, self.weight)
         return all_reduce(y, self.tp) if self.reduce else y
 
 

@@ -13,7 +13,7 @@ from target.distributed import TPGroup, all_reduce
 from target.kernels import fused
 from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
 from target.kernels.moe_triton import PAIR_MAX, pair_experts, pair_experts_available
-from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, dense
+from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from target.weights import WeightSource, copy_into, expect_shape
 
 
@@ -131,7 +131,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_inputs:
-            logits, gate_up, shared_gate = dense(x, self.in_proj, self.gate.kernel).split(
+            logits, gate_up, shared_gate = F.linear(x, self.in_proj).split(
                 self.in_sizes, dim=-1)  # [T, E], [T, 2·I_shared/tp], [T, 1]
         else:
             logits, gate_up, shared_gate = (self.gate(x), self.shared_expert.gate_up_proj(x),

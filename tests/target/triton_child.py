@@ -1,4 +1,4 @@
-"""The CPU half of the Triton kernel tests (test_moe_triton.py, test_linear_triton.py): their
+"""The CPU half of the Triton kernel tests (test_moe_triton.py, test_attention_triton.py): their
 cases run in Triton's interpreter in one child process, the test file run as a script with
 TRITON_INTERPRET=1. It only takes effect if set before triton is first imported, and in a
 whole-suite run torch._dynamo has imported triton during collection already; setting it in
