@@ -128,6 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dataset", type=Path, help='JSONL: {"prompt": str, "max_tokens"?: int}')
     p.add_argument("--chat", action="store_true", help="/v1/chat/completions, one user message")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="ask for each token's log-probability and this many alternatives")
     p.add_argument("--seed", type=int, default=0, help="for the synthetic prompts")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out-dir", type=Path, default=Path("."))
@@ -165,11 +167,16 @@ def synthetic(n: int, num_words: int, max_tokens: int, seed: int) -> list[Prompt
 
 
 async def send(client: openai.AsyncOpenAI, model: str, prompt: Prompt, chat: bool,
-               temperature: float) -> RequestResult:
+               temperature: float, logprobs: int | None = None) -> RequestResult:
+    """One streamed request; `logprobs`: that many alternatives per token (chat: logprobs
+    with top_logprobs)."""
     res = RequestResult()
     kw = dict(model=model, max_tokens=prompt.max_tokens, temperature=temperature, stream=True,
               stream_options={"include_usage": True},
               extra_body={"ignore_eos": True, "return_token_ids": True})
+    if logprobs is not None:
+        kw.update({"logprobs": True, "top_logprobs": logprobs} if chat
+                  else {"logprobs": logprobs})
     start = time.perf_counter()
     try:
         if chat:
@@ -202,7 +209,7 @@ async def run_level(client: openai.AsyncOpenAI, args: argparse.Namespace, model:
 
     async def gated(p: Prompt) -> RequestResult:
         async with gate:
-            return await send(client, model, p, args.chat, args.temperature)
+            return await send(client, model, p, args.chat, args.temperature, args.logprobs)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(gated(p) for p in prompts))
@@ -286,10 +293,11 @@ async def bench(args: argparse.Namespace) -> dict:
             raise SystemExit(f"no model at {args.base_url}/v1/models: {e!r}") from None
         if args.dataset:
             prompts = load_dataset(args.dataset, args.num_prompts, args.output_len)
-            warm = await send(client, model, prompts[0], args.chat, args.temperature)
+            warm = await send(client, model, prompts[0], args.chat, args.temperature,
+                              args.logprobs)
         else:  # the warm-up also measures tokens per word, to size the prompts in tokens
             probe = synthetic(1, args.prompt_len, min(args.output_len, 16), args.seed)[0]
-            warm = await send(client, model, probe, args.chat, args.temperature)
+            warm = await send(client, model, probe, args.chat, args.temperature, args.logprobs)
             words = round(args.prompt_len ** 2 / max(warm.prompt_tokens, 1))
             prompts = synthetic(args.num_prompts, words, args.output_len, args.seed)
         if warm.error:
@@ -308,7 +316,7 @@ async def bench(args: argparse.Namespace) -> dict:
                 for r in results]})
         # The first request (above) against the same request on a server now warm.
         again = await send(client, model, prompts[0] if args.dataset else probe, args.chat,
-                           args.temperature)
+                           args.temperature, args.logprobs)
     first = {"first_ttft_ms": 1e3 * warm.ttft_s, "same_request_warm_ttft_ms":
              1e3 * again.ttft_s if again.ttft_s is not None else None,
              "prompt_tokens": warm.prompt_tokens}

@@ -84,7 +84,7 @@ def test_failed_requests_are_counted_and_the_run_goes_on(base_url, tmp_path):
         {"prompt": "Name a colour."}]) + "\n")
     report = serving.main(["--base-url", f"{base_url}/v1", "--model", MODEL, "--chat",
                            "--dataset", str(data), "--concurrency", "2", "--num-prompts", "3",
-                           "--output-len", "5", "--out-dir", str(tmp_path)])
+                           "--output-len", "5", "--logprobs", "2", "--out-dir", str(tmp_path)])
     (level,) = report["levels"]
     assert (level["summary"]["errors"], level["summary"]["output_tokens"]) == (1, 11)
     (bad,) = [r for r in level["requests"] if r["error"]]
