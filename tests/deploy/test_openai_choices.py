@@ -184,3 +184,17 @@ def test_streams_carry_logprobs_per_chunk_and_choice(server):
     tokens = [e["token"] for c in chat if c["choices"] and c["choices"][0]["logprobs"]
               for e in c["choices"][0]["logprobs"]["content"]]
     assert len(tokens) == 5
+
+
+def test_more_choices_than_the_queue_takes_is_a_429_and_nothing_runs_on(server, monkeypatch):
+    """n = 30 against a queue of 10: the request is refused whole (429), the choices already
+    queued are aborted, and the engine returns to idle and serves the next request."""
+    monkeypatch.setattr(server["client"], "max_waiting", 10)
+    r = httpx.post(server["url"] + "/v1/completions", json={
+        "model": MODEL, "prompt": "hi", "n": 30, "max_tokens": 50, "ignore_eos": True},
+        timeout=60)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "engine_overloaded"
+    wait_until_idle(server["url"], 30)
+    ok = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 3,
+                                          "max_tokens": 4})
+    assert [c["index"] for c in ok["choices"]] == [0, 1, 2]
