@@ -61,6 +61,7 @@ from deploy.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    PromptLogprob,
     RequestError,
     SamplingDefaults,
     TokenizeRequest,
@@ -464,15 +465,16 @@ class OpenAIServer:
         return max(logprob, MIN_LOGPROB)  # JSON has no -inf
 
     def _completion_logprobs(self, ids: list[int], lps: list[TokenLogprob | None],
-                             offset: int) -> CompletionLogprobs:
-        """Legacy completions logprobs of tokens `ids` whose text starts at `offset`."""
+                             offset: int, num: int) -> CompletionLogprobs:
+        """Legacy completions logprobs of tokens `ids` whose text starts at `offset`, with
+        `num` alternatives each (the prompt's may hold more, for prompt_logprobs)."""
         out = CompletionLogprobs()
         for tok, lp in zip(ids, lps, strict=True):
             text = self._token_text(tok)
             out.tokens.append(text)
             out.token_logprobs.append(None if lp is None else self._finite(lp.logprob))
             out.top_logprobs.append(None if lp is None else {
-                self._token_text(t): self._finite(v) for t, v in lp.top})
+                self._token_text(t): self._finite(v) for t, v in lp.top[:num]})
             out.text_offset.append(offset)
             offset += len(text)
         return out
@@ -487,6 +489,19 @@ class OpenAIServer:
             ChatTokenLogprob(**entry(tok, lp.logprob),
                              top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top])
             for tok, lp in zip(ids, lps, strict=True)])
+
+    def _prompt_logprobs(self, gen: _Generation, num: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token after the first, {id: {logprob, rank,
+        decoded_token}} for the token itself and the `num` most likely."""
+        out: list[dict | None] = [None]
+        for tok, lp in zip(gen.prompt_ids[1:], (gen.prompt_logprobs or [None])[1:], strict=True):
+            entries = {str(t): PromptLogprob(logprob=self._finite(v), rank=r,
+                                             decoded_token=self._token_text(t))
+                       for r, (t, v) in enumerate(lp.top[:num], start=1)}
+            entries[str(tok)] = PromptLogprob(logprob=self._finite(lp.logprob), rank=lp.rank,
+                                              decoded_token=self._token_text(tok))
+            out.append(entries)
+        return out
 
     def _echo(self, gen: _Generation, text: str | None) -> str:
         return text if text is not None else self.tokenizer.decode(gen.prompt_ids)
@@ -506,7 +521,10 @@ class OpenAIServer:
         if tokens and single_prompt:
             common["prompt_token_ids"] = gens[0].prompt_ids
         wants_logprobs = req.logprob_counts()[0] is not None
+        prompt_k = req.prompt_logprobs
         if isinstance(req, ChatCompletionRequest):
+            if prompt_k is not None:
+                common["prompt_logprobs"] = self._prompt_logprobs(gens[0], prompt_k)
             return ChatCompletionResponse(**common, choices=[ChatChoice(
                 index=i, message=AssistantMessage(content="".join(text)),
                 finish_reason=g.finish_reason, token_ids=g.token_ids if tokens else None,
@@ -525,8 +543,10 @@ class OpenAIServer:
                 index=i, text=body, finish_reason=g.finish_reason,
                 token_ids=g.token_ids if tokens else None,
                 prompt_token_ids=g.prompt_ids if tokens and not single_prompt else None,
-                logprobs=self._completion_logprobs(lp_ids, lps, 0) if wants_logprobs
-                else None))
+                logprobs=self._completion_logprobs(lp_ids, lps, 0, req.logprobs)
+                if wants_logprobs else None,
+                prompt_logprobs=None if prompt_k is None
+                else self._prompt_logprobs(g, prompt_k)))
         return CompletionResponse(**common, choices=choices)
 
     async def _stream(self, endpoint: str, req, request_id: str, gens: list[_Generation],
@@ -554,7 +574,7 @@ class OpenAIServer:
             else:
                 logprobs = None
                 if wants_logprobs and ids:
-                    logprobs = self._completion_logprobs(ids, lps, offsets[i])
+                    logprobs = self._completion_logprobs(ids, lps, offsets[i], req.logprobs)
                     offsets[i] += sum(map(len, logprobs.tokens))
                 body = CompletionResponse(id=request_id, created=created, model=model,
                                           **first_ids, choices=[CompletionChoice(

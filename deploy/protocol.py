@@ -4,7 +4,8 @@ Requests are parsed leniently where OpenAI's clients send extras (unknown fields
 but strictly where silence would mislead: a feature we do not implement (penalties, tools,
 vLLM's guided decoding, ...) is a 400 naming the field, never quietly dropped, and a value of
 the wrong JSON type is a 400, never coerced ("16" is not a max_tokens).
-Extensions (vLLM's names): `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`.
+Extensions (vLLM's names): `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
+`prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ UNSUPPORTED = ("top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty
                "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "guided_decoding_backend", "structured_outputs", "repetition_penalty", "min_p",
                "min_tokens", "use_beam_search", "length_penalty",
-               "prompt_logprobs", "allowed_token_ids", "bad_words", "logits_processors")
+               "allowed_token_ids", "bad_words", "logits_processors")
 NEUTRAL = (None, False, 0, {}, [])
 NO_OP = {"repetition_penalty": 1, "length_penalty": 1}
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -130,6 +131,7 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False  # extension
     return_token_ids: bool | None = False  # extension: prompt_token_ids and choices' token_ids
+    prompt_logprobs: int | None = None  # extension: each prompt token's, with this many others
 
     def check(self) -> None:
         if not 1 <= self.num_choices <= MAX_CHOICES:
@@ -149,6 +151,10 @@ class _SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true",
                                "stream_options")
+        _check_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("prompt_logprobs is not available with stream=true (as in vLLM)",
+                               "prompt_logprobs")
 
     @property
     def num_choices(self) -> int:
@@ -156,7 +162,7 @@ class _SamplingRequest(BaseModel):
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(alternatives per generated token, per prompt token); None: not asked for."""
-        return None, None
+        return None, self.prompt_logprobs
 
     @property
     def stop_strings(self) -> list[str]:
@@ -218,7 +224,10 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
-        return self.logprobs, self.logprobs if self.echo else None
+        # the prompt's serve both echo (with logprobs) and prompt_logprobs
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                 if k is not None]
+        return self.logprobs, max(asked) if asked else None
 
 
 class ContentPart(BaseModel):
@@ -273,7 +282,7 @@ class ChatCompletionRequest(_SamplingRequest):
                                "response_format")
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
-        return (self.top_logprobs or 0) if self.logprobs else None, None
+        return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -387,6 +396,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: a token's log-probability, its rank in the vocabulary
+    (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per prompt token: None for the first, else {token id: PromptLogprob} for the prompt's token
+# and the most likely others (vLLM's form; the ids are JSON strings).
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -394,6 +417,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = Field(None, exclude_if=_absent)  # return_token_ids
     prompt_token_ids: list[int] | None = Field(None, exclude_if=_absent)  # return_token_ids
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent)
 
 
 class CompletionResponse(_Response):
@@ -432,6 +456,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent)
 
 
 class DeltaMessage(BaseModel):

@@ -18,10 +18,11 @@ ROWS_PER_SLICE = 256  # [256, V] fp32 at a time: 254 MB for a 248k vocabulary
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One token's log-probability and the `n` most likely tokens at its position, best
-    first, as (token id, log-probability)."""
+    """One token's log-probability, its rank in the vocabulary (1: the most likely), and the
+    `n` most likely tokens at its position, best first, as (token id, log-probability)."""
 
     logprob: float
+    rank: int = 1
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -30,22 +31,24 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor | list[int],
     """logits [N, V] (row i is the distribution token i was drawn from); tokens [N]."""
     if isinstance(tokens, list):
         tokens = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-    chosen, top_lp, top_id = [], [], []
+    chosen, ranks, top_lp, top_id = [], [], [], []
     for lo in range(0, logits.shape[0], ROWS_PER_SLICE):
         lp = torch.log_softmax(logits[lo : lo + ROWS_PER_SLICE].float(), dim=-1)
-        chosen.append(lp.gather(1, tokens[lo : lo + ROWS_PER_SLICE, None].to(lp.device))[:, 0])
+        mine = lp.gather(1, tokens[lo : lo + ROWS_PER_SLICE, None].to(lp.device))  # [n, 1]
+        chosen.append(mine[:, 0])
+        ranks.append((lp > mine).sum(-1) + 1)
         if num_top:
             values, ids = lp.topk(num_top, dim=-1)
             top_lp.append(values)
             top_id.append(ids)
     if not chosen:
         return []
-    chosen_l = torch.cat(chosen).tolist()
+    chosen_l, ranks_l = torch.cat(chosen).tolist(), torch.cat(ranks).tolist()
     if not num_top:
-        return [TokenLogprob(c) for c in chosen_l]
+        return [TokenLogprob(c, r) for c, r in zip(chosen_l, ranks_l, strict=True)]
     ids_l, lps_l = torch.cat(top_id).tolist(), torch.cat(top_lp).tolist()
-    return [TokenLogprob(c, tuple(zip(i, v, strict=True)))
-            for c, i, v in zip(chosen_l, ids_l, lps_l, strict=True)]
+    return [TokenLogprob(c, r, tuple(zip(i, v, strict=True)))
+            for c, r, i, v in zip(chosen_l, ranks_l, ids_l, lps_l, strict=True)]
 
 
 def rows_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
@@ -65,6 +68,7 @@ def split_rows(logprobs: list[TokenLogprob], counts: list[int],
     into each one's `counts[i]` tokens, each keeping its own `num_tops[i]` alternatives."""
     out, lo = [], 0
     for n, k in zip(counts, num_tops, strict=True):
-        out.append([TokenLogprob(t.logprob, t.top[:k]) for t in logprobs[lo : lo + n]])
+        out.append([TokenLogprob(t.logprob, t.rank, t.top[:k])
+                    for t in logprobs[lo : lo + n]])
         lo += n
     return out

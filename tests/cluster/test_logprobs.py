@@ -49,6 +49,7 @@ def check_against(ref: torch.Tensor, tokens: list[int], got: list[TokenLogprob],
     assert len(got) == len(tokens) == len(rows)
     for row, tok, lp in zip(rows, tokens, got, strict=True):
         assert lp.logprob == pytest.approx(float(ref[row, tok]), abs=TOL)
+        assert lp.rank == int((ref[row] > ref[row, tok]).sum()) + 1
         assert len(lp.top) == top
         want = ref[row].topk(top)
         assert [t for t, _ in lp.top] == want.indices.tolist()
@@ -121,6 +122,8 @@ def test_token_logprobs_in_slices_and_split():
     ref = torch.log_softmax(logits, -1)
     assert [lp.logprob for lp in got] == pytest.approx(
         ref[torch.arange(600), tokens].tolist(), abs=1e-6)
+    assert [lp.rank for lp in got] == ((ref > ref[torch.arange(600), tokens][:, None]).sum(-1)
+                                        + 1).tolist()
     parts = split_rows(got, [100, 500], [1, 3])
     assert [len(p) for p in parts] == [100, 500]
     assert all(len(lp.top) == 1 for lp in parts[0]) and parts[1][0] == got[100]

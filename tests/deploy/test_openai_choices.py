@@ -198,3 +198,40 @@ def test_more_choices_than_the_queue_takes_is_a_429_and_nothing_runs_on(server, 
     ok = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 3,
                                           "max_tokens": 4})
     assert [c["index"] for c in ok["choices"]] == [0, 1, 2]
+
+
+def test_vllm_prompt_logprobs(server):
+    """vLLM's extension: per prompt token after the first, {id: {logprob, rank,
+    decoded_token}} for the token itself and the k most likely; completions per choice (also
+    next to echo's own, which keep their logprobs count), chat at the top; not with stream."""
+    tok = server["tokenizer"]
+    prompt = tok.encode("Paris is the capital of France")
+    ref = reference(server, prompt, 1, 3)
+    body = post(server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0,
+        "prompt_logprobs": 3, "echo": True, "logprobs": 1})
+    choice = body["choices"][0]
+    assert all(len(alts) <= 1 for alts in choice["logprobs"]["top_logprobs"][1:])
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(prompt)
+    for j, (entries, want) in enumerate(zip(got[1:], ref.prompt_logprobs[1:], strict=True)):
+        mine = entries[str(prompt[j + 1])]
+        assert mine["logprob"] == pytest.approx(want.logprob, abs=TOL)
+        assert mine["rank"] == want.rank and mine["decoded_token"] == text_of(server, prompt[j + 1])
+        for r, (t, v) in enumerate(want.top, start=1):
+            assert entries[str(t)]["logprob"] == pytest.approx(v, abs=TOL)
+            assert entries[str(t)]["rank"] == (r if t != prompt[j + 1] else want.rank)
+        assert len(entries) == len({*map(str, (t for t, _ in want.top)), str(prompt[j + 1])})
+    messages = [{"role": "user", "content": "hi"}]
+    chat = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                 "max_tokens": 2, "prompt_logprobs": 0})
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                  return_dict=False)
+    assert len(chat["prompt_logprobs"]) == len(ids) and chat["prompt_logprobs"][0] is None
+    assert all(list(e) == [str(t)] for e, t in zip(chat["prompt_logprobs"][1:], ids[1:],
+                                                    strict=True))
+    plain = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert "prompt_logprobs" not in plain["choices"][0]
+    r = httpx.post(server["url"] + "/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
