@@ -37,10 +37,11 @@ def serve_in_thread(app) -> tuple[str, Callable[[], None]]:
 
 
 DEMO = Path(__file__).resolve().parent / "assets" / "tiny"
+DEMO_MODEL = "tiny-dflash"  # the id demo_api serves by default
 
 
 @contextmanager
-def demo_api(model_name: str, wrap: Callable | None = None) -> Iterator[dict]:
+def demo_api(model_name: str = DEMO_MODEL, wrap: Callable | None = None) -> Iterator[dict]:
     """The demo target and its trained draft (B = 8) in process behind the OpenAI API, served
     by uvicorn, with a target-only engine as the reference. `wrap` wraps the ASGI app (a
     recorder). Yields url, client, tokenizer, reference, server (the OpenAIServer), app."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from live_server import demo_api, scrape_metrics, wait_until_idle
+from live_server import DEMO_MODEL, demo_api, scrape_metrics, wait_until_idle
 from transformers import Qwen3_5MoeForCausalLM
 
 from configs.engine import SamplingParams
@@ -28,7 +28,7 @@ ASSETS = ROOT / "tests" / "assets"
 TARGET, DRAFT, TASKS = ASSETS / "tiny" / "target", ASSETS / "tiny" / "draft", ASSETS / "lm_eval"
 CHOICE, GENERATE = "dflash_tiny_choice", "dflash_tiny_generate"
 GEN_KWARGS = yaml.safe_load((TASKS / f"{GENERATE}.yaml").read_text())["generation_kwargs"]
-MODEL = "tiny-dflash"
+MODEL = DEMO_MODEL
 # A sum of up to 6 fp32 log-probabilities, the engine's against transformers' (1.2e-5 seen).
 LL_ATOL = 2e-4
 
@@ -61,7 +61,7 @@ class RecordingApp:
 
 @pytest.fixture(scope="module")
 def server():
-    with demo_api(MODEL, wrap=RecordingApp) as s:
+    with demo_api(wrap=RecordingApp) as s:
         yield s
 
 

@@ -11,7 +11,7 @@ import httpx2 as httpx
 import openai
 import pytest
 import torch
-from live_server import demo_api, scrape_metrics, wait_until_idle
+from live_server import DEMO_MODEL, scrape_metrics, wait_until_idle
 
 from configs.engine import SamplingParams
 from deploy import openai_api
@@ -19,19 +19,8 @@ from deploy.detokenizer import TextStream
 from deploy.engine_client import EngineDeadError
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
-MODEL = "tiny-dflash"
+MODEL = DEMO_MODEL  # the conftest's `server` serves it
 GREEDY = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def server():
-    with demo_api(MODEL) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="x", max_retries=0)
 
 
 def target_only(server, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

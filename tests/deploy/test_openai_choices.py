@@ -6,29 +6,15 @@ transformers."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx2 as httpx
-import openai
 import pytest
-from live_server import demo_api, wait_until_idle
+from live_server import DEMO_MODEL, wait_until_idle
 
 from configs.engine import SamplingParams
 
-DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
-MODEL = "tiny-dflash"
+MODEL = DEMO_MODEL  # the conftest's `server` serves it
 TOL = 2e-5
-
-
-@pytest.fixture(scope="module")
-def server():
-    with demo_api(MODEL) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="x", max_retries=0)
 
 
 def reference(server, prompt: list[int], max_tokens: int, top: int):
