@@ -138,10 +138,15 @@ class _Generation:
         return len(self.token_ids)
 
 
+def _prompts_of(gens: list[_Generation]) -> list[list[int]]:
+    """The distinct prompts (a prompt's n choices share its one id list)."""
+    return list({id(g.prompt_ids): g.prompt_ids for g in gens}.values())
+
+
 def _usage(gens: list[_Generation]) -> Usage:
     """Each prompt counts once however many choices it has; every choice's tokens count."""
-    prompts = {id(g.prompt_ids): len(g.prompt_ids) for g in gens}
-    n, m = sum(prompts.values()), sum(g.completion_tokens for g in gens)
+    n = sum(map(len, _prompts_of(gens)))
+    m = sum(g.completion_tokens for g in gens)
     return Usage(prompt_tokens=n, completion_tokens=m, total_tokens=n + m)
 
 
@@ -362,7 +367,7 @@ class OpenAIServer:
                 f"asks for {requested} more; lower {param}", param, "context_length_exceeded")
         return requested
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.client.model_name:
             raise RequestError(f"the model {model!r} does not exist; this server serves "
                                f"{self.client.model_name!r}", "model", "model_not_found", 404)
@@ -370,7 +375,7 @@ class OpenAIServer:
     async def tokenize(self, request: Request) -> Response:
         try:
             req = parse_request(TokenizeRequest, await self._body(request))
-            self._check_model(req.model)
+            self.check_model(req.model)
             if req.messages is not None:
                 ids = await self._chat_ids(req.messages, req.add_generation_prompt,
                                            req.chat_template_kwargs)
@@ -387,7 +392,7 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> Response:
         try:
             req = parse_request(DetokenizeRequest, await self._body(request))
-            self._check_model(req.model)
+            self.check_model(req.model)
             self._need_tokenizer("tokens")
             vocab = self.client.vocab_size
             if any(not 0 <= t < vocab for t in req.tokens):
@@ -403,22 +408,22 @@ class OpenAIServer:
         try:
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest,
                                 await self._body(request))
-            self._check_model(req.model)
-            if req.stop_strings:
-                self._need_tokenizer("stop")
-            logprobs, prompt_logprobs = req.logprob_counts()
-            if logprobs is not None or prompt_logprobs is not None or \
-                    (not chat and req.echo):
-                self._need_tokenizer("logprobs" if logprobs is not None else "echo")
+            self.check_model(req.model)
+            needs_text = [name for name, on in (
+                ("stop", bool(req.stop_strings)), ("logprobs", req.logprob_counts()[0] is not None),
+                ("prompt_logprobs", req.prompt_logprobs is not None),
+                ("echo", not chat and bool(req.echo))) if on]
+            if needs_text:  # token texts: the first field that asks for them names the error
+                self._need_tokenizer(needs_text[0])
             prompts = await self._prompts(req)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             n = req.num_choices
             for ids, _ in prompts:
                 budget = self._max_tokens(req, len(ids))
-                params = req.sampling_params(max(budget, 1), self.defaults)
-                for j in range(n):
-                    if params.seed is not None and j:  # the choices of one seed differ
-                        params = dataclasses.replace(params, seed=params.seed + 1)
+                base = req.sampling_params(max(budget, 1), self.defaults)
+                for j in range(n):  # with a seed, choice j samples with seed + j
+                    params = base if base.seed is None else \
+                        dataclasses.replace(base, seed=base.seed + j)
                     engine_id = request_id if len(prompts) * n == 1 else \
                         f"{request_id}-{len(gens)}"
                     gens.append(_Generation(self.client, engine_id, ids, params,
@@ -506,6 +511,11 @@ class OpenAIServer:
     def _echo(self, gen: _Generation, text: str | None) -> str:
         return text if text is not None else self.tokenizer.decode(gen.prompt_ids)
 
+    @staticmethod
+    def _echo_logprobs(gen: _Generation) -> list[TokenLogprob | None]:
+        """The echoed prompt's log-probabilities (all None when none were asked for)."""
+        return gen.prompt_logprobs or [None] * len(gen.prompt_ids)
+
     # ---- responses -----------------------------------------------------------------------
 
     async def _complete(self, req, request_id: str, gens: list[_Generation],
@@ -517,7 +527,7 @@ class OpenAIServer:
                 texts[i].append(delta)
         tokens = req.return_token_ids
         common = dict(id=request_id, model=self.client.model_name, usage=_usage(gens))
-        single_prompt = len({id(g.prompt_ids) for g in gens}) == 1
+        single_prompt = len(_prompts_of(gens)) == 1
         if tokens and single_prompt:
             common["prompt_token_ids"] = gens[0].prompt_ids
         wants_logprobs = req.logprob_counts()[0] is not None
@@ -538,7 +548,7 @@ class OpenAIServer:
                 prompt_text = self._echo(g, echo)
                 body = prompt_text + body
                 lp_ids = g.prompt_ids + g.token_ids
-                lps = (g.prompt_logprobs or [None] * len(g.prompt_ids)) + g.logprobs
+                lps = self._echo_logprobs(g) + g.logprobs
             choices.append(CompletionChoice(
                 index=i, text=body, finish_reason=g.finish_reason,
                 token_ids=g.token_ids if tokens else None,
@@ -555,7 +565,7 @@ class OpenAIServer:
         created, model = int(time.time()), self.client.model_name
         exclude = None if req.include_usage else {"usage"}
         first_ids = {"prompt_token_ids": gens[0].prompt_ids} \
-            if req.return_token_ids and len({id(g.prompt_ids) for g in gens}) == 1 else {}
+            if req.return_token_ids and len(_prompts_of(gens)) == 1 else {}
         wants_logprobs = req.logprob_counts()[0] is not None
         offsets = [0] * len(gens)  # each choice's text_offset so far
 
@@ -590,7 +600,7 @@ class OpenAIServer:
                     yield chunk(i, "", None, None, None, role="assistant")
                 elif req.echo:  # the prompt first, with its log-probabilities
                     yield chunk(i, self._echo(g, echoes[i]), g.prompt_ids,
-                                g.prompt_logprobs or [None] * len(g.prompt_ids), None)
+                                self._echo_logprobs(g), None)
             async with aclosing(_merged(gens)) as deltas:
                 async for i, (delta, ids, lps, finish) in deltas:
                     yield chunk(i, delta, ids, lps, finish)
@@ -685,10 +695,10 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        if model_id != client.model_name:
-            err = RequestError(f"the model {model_id!r} does not exist; this server serves "
-                               f"{client.model_name!r}", "model", "model_not_found", 404)
-            return JSONResponse(err.body(), status_code=404)
+        try:
+            server.check_model(model_id)
+        except RequestError as err:
+            return JSONResponse(err.body(), status_code=err.status)
         return JSONResponse(card().model_dump(mode="json"))
 
     @app.post("/tokenize")
