@@ -24,7 +24,7 @@ class SamplingParams:
     # The target's log-probabilities (log-softmax of its logits, before temperature, top-k and
     # top-p) of each generated token, with this many most likely alternatives; None: none.
     logprobs: int | None = None
-    # The same for every prompt token after the first (echo); None: none.
+    # The same for every prompt token after the first (echo, prompt_logprobs); None: none.
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
