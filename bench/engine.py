@@ -31,16 +31,19 @@ import torch
 
 from bench.engine_overhead import engine_overhead_ms
 from bench.floors import cache_bytes, measure_bandwidth, record_routing, sync, weight_bytes
-from bench.random_model import build_draft, build_target, set_attention, transformers_twin
+from bench.random_model import (
+    add_kernel_args,
+    build_draft,
+    build_target,
+    set_kernels,
+    transformers_twin,
+)
 from bench.timing import sample_times
 from cluster.engine import EnginePlan
 from cluster.executor import LocalExecutor
 from configs.engine import SamplingParams
 from configs.presets import draft_preset, target_preset
 from draft.proposer import DraftRunner
-from target.kernels import fused
-from target.layers.gdn import GatedDeltaNet
-from target.layers.moe import FusedExperts, SparseMoE
 from workers.cache import allocate_target_caches
 from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, num_scratch_pages
 from workers.messages import NewSeq, StepKind, StepMsg, StepResult
@@ -272,26 +275,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--taus", type=float, nargs="+", default=[3.0, 5.0, 6.3])
     p.add_argument("--no-baseline", action="store_true", help="skip transformers")
     p.add_argument("--out", help="write the JSON here (rewritten after each batch size)")
-    # Kernel choices, to measure each fast path against the reference in the same build.
-    p.add_argument("--attention", choices=["auto", "triton", "torch"], default="auto",
-                   help="decode, rounds and draft blocks: EngineConfig.attention_backend")
-    p.add_argument("--moe", choices=["auto", "pairs", "grouped", "gathered", "reference"],
-                   default="auto", help="routed-expert kernel (auto: see FusedExperts)")
-    p.add_argument("--moe-inputs", choices=["fused", "separate"], default="separate",
-                   help="router, shared expert gate/up and its gate as one GEMM (SparseMoE) or "
-                        "three")
-    p.add_argument("--no-fuse", action="store_true",
-                   help="leave the elementwise chains uncompiled (target/kernels/fused.py; the "
-                        "engine compiles them whenever it captures CUDA graphs)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs (rounds and proposals run eagerly)")
-    p.add_argument("--gdn-rounds", choices=["batched", "per-seq"], default="batched")
+    # Kernel choices, to measure each fast path against the others in the same build.
+    add_kernel_args(p)
     p.add_argument("--draft-placement", choices=["colocated", "separate"],
                    default="colocated", help="with --tp: the draft on rank 0's GPU or on one "
                    "of its own (aux features over NCCL)")
     p.add_argument("--tp", type=int, help="through the cluster path with N tensor-parallel "
                    "Ray workers and the draft actor (bench/engine_cluster.py); no floors, "
-                   "no baseline, the kernel switches above do not apply")
+                   "no baseline; of the kernel switches only --attention, --moe and "
+                   "--enforce-eager apply (the engine's own settings)")
     p.add_argument("--control-channel", choices=["auto", "shm", "tcp"], default="auto",
                    help="with --tp: what carries the step messages (EngineConfig)")
     p.add_argument("--control-spin-us", type=int, default=None,
@@ -320,9 +312,6 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(results, indent=1))
         print(engine_cluster.table(results))
         return
-    fused.enable(not args.no_fuse and not args.enforce_eager)
-    GatedDeltaNet.batched_rounds = args.gdn_rounds == "batched"
-    SparseMoE.fused_inputs = args.moe_inputs == "fused"
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.random_weights:
         raw = target_preset(args.preset)
@@ -336,10 +325,7 @@ def main() -> None:
         target = load_target(args.model, dtype=dtype, device=device)
         draft = DFlashDraftModel.from_pretrained(args.draft_model, dtype=dtype, device=device,
                                                  block_size=max(args.block_sizes))
-    set_attention(target, draft, args.attention, device)
-    for m in target.modules():
-        if isinstance(m, FusedExperts):
-            m.kernel = args.moe
+    set_kernels(target, draft, args, device)
     bw = measure_bandwidth(device, nbytes=(2 << 30) if device.type == "cuda" else (64 << 20))
     results = {"args": vars(args), "device": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu", "torch": torch.__version__,

@@ -55,7 +55,8 @@ def run(args) -> dict:
             max_num_batched_tokens=max(big_b * args.prompt_len, 8192),
             enforce_eager=args.enforce_eager, load_format=load_format,
             draft_placement=args.draft_placement, control_channel=args.control_channel,
-            control_spin_us=args.control_spin_us)
+            control_spin_us=args.control_spin_us, attention_backend=args.attention,
+            moe_backend=args.moe)
         t = time.perf_counter()
         cluster = RayEngineCluster(cfg, args.tp)
         results["start_s"] = time.perf_counter() - t  # load, profile, allocate, warm up

@@ -20,10 +20,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.engine import Batch
 from bench.floors import sync
-from bench.random_model import build_draft, build_target, set_attention
+from bench.random_model import add_kernel_args, build_draft, build_target, set_kernels
 from configs.presets import draft_preset, target_preset
 from draft.proposer import DraftRunner
-from target.kernels import fused
 
 
 def profile_step(name: str, fn, device: torch.device, steps: int, out: str | None) -> dict:
@@ -65,21 +64,14 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--attention", choices=["auto", "triton", "torch"], default="auto",
-                   help="decode, rounds and draft blocks: EngineConfig.attention_backend")
-    p.add_argument("--no-fuse", action="store_true",
-                   help="leave the elementwise chains uncompiled (target/kernels/fused.py; the "
-                        "engine compiles them whenever it captures CUDA graphs)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_kernel_args(p)
     p.add_argument("--out", help="append the operator tables to this file")
     args = p.parse_args()
-    fused.enable(not args.no_fuse and not args.enforce_eager)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     target = build_target(target_preset(args.preset), dtype, device)
     draft = build_draft(draft_preset(args.preset), dtype, device, args.block_size)
-    set_attention(target, draft, args.attention, device)
+    graphs = set_kernels(target, draft, args, device)
     B, b = args.block_size, args.batch
-    graphs = device.type == "cuda" and not args.enforce_eager
     max_new = (2 * args.steps + 8) * 2 * B
     pages = -(-(args.prompt_len + max_new) // 16)
     drafter = DraftRunner(draft, b * pages, 16, B, target.embed, target.compute_logits,

@@ -1,13 +1,17 @@
 """Models with the real architecture and random weights, made on the device (no checkpoint;
 values by target/dummy.py, as `load_format="dummy"` gives): our target and draft, and
 transformers' `Qwen3_5MoeForCausalLM` sharing our target's tensors (so the baseline is the
-same weights at the cost of one extra copy of nothing but views)."""
+same weights at the cost of one extra copy of nothing but views). Also the benchmarks' kernel
+switches (add_kernel_args, set_kernels)."""
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from torch import nn
 
+from configs.kernels import ATTENTION_BACKENDS, GDN_ROUNDS, MOE_BACKENDS, MOE_INPUTS, KernelConfig
 from configs.model import TargetConfig
 from draft.config import DraftConfig
 from draft.model import DFlashDraftModel
@@ -72,18 +76,31 @@ def transformers_twin(ours: Qwen3_5MoeForCausalLM, raw: dict) -> nn.Module:
     return hf.eval()
 
 
-def set_attention(target: Qwen3_5MoeForCausalLM, draft: DFlashDraftModel, choice: str,
-                  device: torch.device) -> None:
-    """The benchmarks' --attention: EngineConfig.attention_backend resolved as the workers
-    resolve it ("triton", or "torch": rounds "reference", which CUDA graphs capture as
-    "gathered", and gathered draft blocks)."""
-    from configs.engine import EngineConfig
-    from draft.model import set_block_attention
-    from target.layers.attention import set_round_attention
+def add_kernel_args(p: argparse.ArgumentParser) -> None:
+    """The benchmarks' kernel switches (configs/kernels.py), to measure each path against the
+    others in the same build."""
+    p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
+                   help="decode, rounds and draft blocks: EngineConfig.attention_backend")
+    p.add_argument("--moe", choices=MOE_BACKENDS, default="auto",
+                   help="routed-expert kernel: EngineConfig.moe_backend")
+    p.add_argument("--moe-inputs", choices=MOE_INPUTS, default="separate",
+                   help="router, shared expert gate/up and its gate as one GEMM or three")
+    p.add_argument("--gdn-rounds", choices=GDN_ROUNDS, default="batched")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="leave the elementwise chains uncompiled (target/kernels/fused.py; the "
+                        "engine compiles them whenever it captures CUDA graphs)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (rounds and proposals run eagerly)")
 
-    if EngineConfig(model="", attention_backend=choice).attention_kernel(device) == "triton":
-        rounds = blocks = "triton"
-    else:
-        rounds, blocks = "reference", "gathered"
-    set_round_attention(target, rounds)
-    set_block_attention(draft, blocks)
+
+def set_kernels(target: Qwen3_5MoeForCausalLM, draft: DFlashDraftModel,
+                args: argparse.Namespace, device: torch.device) -> bool:
+    """The kernels add_kernel_args chose, set as the workers set theirs; returns whether
+    rounds and proposals replay CUDA graphs."""
+    graphs = device.type == "cuda" and not args.enforce_eager
+    kernels = KernelConfig(attention=args.attention, moe=args.moe, moe_inputs=args.moe_inputs,
+                           gdn_rounds=args.gdn_rounds,
+                           compile_elementwise=False if args.no_fuse else None)
+    target.set_kernels(kernels, graphs)
+    draft.set_kernels(kernels)
+    return graphs

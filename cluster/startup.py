@@ -104,7 +104,7 @@ def start_parts(parts: EngineParts, cfg: EngineConfig, plan: EnginePlan) -> Engi
             members.call("allocate", plan.num_kv_blocks)
     log.info("KV cache: %d pages of %d tokens (%d tokens); attention: %s", plan.num_kv_blocks,
              cfg.kv_block_size, plan.num_kv_blocks * cfg.kv_block_size,
-             backend_name(cfg.device, cfg.torch_dtype, cfg.attention_kernel(cfg.device)))
+             backend_name(cfg.device, cfg.torch_dtype, cfg.kernels.attention_kernel(cfg.device)))
     return plan
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from configs.kernels import KernelConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The most alternatives a token's log-probabilities may list (vLLM's max_logprobs default).
 MAX_LOGPROBS = 20
@@ -69,14 +71,6 @@ DRAFT_PLACEMENTS = ("colocated", "separate")
 CONTROL_CHANNELS = ("auto", "shm", "tcp")
 CONTROL_SPIN_US = 50_000
 SPIN_MIN_CPUS = 8
-# The kernel of the few-query attention steps (decode, verify rounds, the draft's blocks):
-# "triton" reads the KV pages in place, keys split across programs
-# (target/kernels/attention_triton.py); "torch" gathers each sequence's pages, then batched
-# matmuls or SDPA (target/kernels/attention.py); "auto" is triton where Triton runs (CUDA),
-# torch elsewhere. Prefill chunks take PyTorch's flash kernels with either.
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -112,7 +106,10 @@ class EngineConfig:
     # machine, or when the model runs on the CPU, the spinners would take the cores the work
     # needs).
     control_spin_us: int | None = None
-    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    # The attention of decode, rounds and draft blocks, and the routed experts' kernel: see
+    # configs/kernels.py (ATTENTION_BACKENDS, MOE_BACKENDS) and `kernels`.
+    attention_backend: str = "auto"
+    moe_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -140,10 +137,7 @@ class EngineConfig:
                 not isinstance(self.control_spin_us, int) or self.control_spin_us < 0):
             raise ValueError(f"control_spin_us must be a non-negative integer or None, got "
                              f"{self.control_spin_us!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got "
-                             f"{self.attention_backend!r}")
-        self.attention_kernel(self.device)  # "triton" where it cannot run: say so now
+        self.kernels.attention_kernel(self.device)  # "triton" where it cannot run: say so now
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_block_size <= 0:
@@ -167,17 +161,7 @@ class EngineConfig:
         spare_cores = (os.cpu_count() or 1) >= SPIN_MIN_CPUS and self.device.startswith("cuda")
         return CONTROL_SPIN_US * 1e-6 if spare_cores else 0.0
 
-    def attention_kernel(self, device: torch.device | str) -> str:
-        """The resolved attention_backend on this device: "triton" or "torch". "auto" takes
-        triton on CUDA only (on CPU it would run in Triton's interpreter: tests)."""
-        from target.kernels import attention_triton
-
-        device = torch.device(device)
-        if self.attention_backend == "auto":
-            cuda = device.type == "cuda" and attention_triton.triton is not None
-            return "triton" if cuda else "torch"
-        if self.attention_backend == "triton" and not attention_triton.available(device):
-            raise ValueError(f"attention_backend 'triton' needs Triton and a CUDA device (or "
-                             f"TRITON_INTERPRET=1), not {device}"
-                             + (" without Triton" if attention_triton.triton is None else ""))
-        return self.attention_backend
+    @property
+    def kernels(self) -> KernelConfig:
+        """The kernel choices (validated here: a bad name is a ValueError naming its field)."""
+        return KernelConfig(attention=self.attention_backend, moe=self.moe_backend)

@@ -14,7 +14,7 @@ import torch
 
 from configs.engine import EngineConfig
 from configs.logs import setup_logging_if_actor
-from draft.model import DFlashDraftModel, set_block_attention
+from draft.model import DFlashDraftModel
 from draft.proposer import DraftRunner
 from target.loader import load_embedding_and_head
 from workers.aux_transport import AuxReceiver, AuxRingSpec
@@ -37,8 +37,7 @@ class DraftWorker(StepLoopEnds):
         self.model = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
                                                       device=self.device, block_size=block_size,
                                                       load_format=cfg.load_format)
-        set_block_attention(self.model, "triton" if cfg.attention_kernel(self.device) == "triton"
-                            else "gathered")
+        self.model.set_kernels(cfg.kernels)
         if embed is None:
             embed_module, head = load_embedding_and_head(cfg.model, cfg.torch_dtype, self.device,
                                                          cfg.load_format)

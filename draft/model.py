@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from configs.engine import check_load_format
+from configs.kernels import KernelConfig
 from draft.attention import (
     apply_rope,
     paged_block_attention,
@@ -58,14 +59,13 @@ class DraftMLP(nn.Module):
 
 
 class DraftAttention(nn.Module):
-    # How a block attends over [context ; block]: "gathered" copies the context's pages out
-    # (draft/attention.py); "triton" writes the block's K/V into its own slots and reads the
-    # pages in place (target/kernels/attention_triton.py). Chosen per model by
-    # set_block_attention from EngineConfig.attention_backend.
-    block_attention = "gathered"
-
     def __init__(self, cfg: DraftConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
+        # How a block attends over [context ; block]: "gathered" copies the context's pages
+        # out (draft/attention.py); "triton" writes the block's K/V into its own slots and
+        # reads the pages in place (target/kernels/attention_triton.py). Chosen per model by
+        # set_block_attention (DFlashDraftModel.set_kernels: KernelConfig.block_attention).
+        self.block_attention = "gathered"
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, d
@@ -166,6 +166,10 @@ class DFlashDraftModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
+
+    def set_kernels(self, kernels: KernelConfig) -> None:
+        """The block attention (configs/kernels.py), resolved for the weights' device."""
+        set_block_attention(self, kernels.block_attention(self.device))
 
     # ---- weights -------------------------------------------------------------------------
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from configs.kernels import KernelConfig
 from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import SINGLE, TPGroup
-from target.layers.attention import GatedAttention
+from target.kernels import fused
+from target.layers.attention import GatedAttention, set_round_attention
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.layers.gdn import GatedDeltaNet
 from target.layers.moe import SparseMoE
@@ -55,6 +57,20 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = Qwen3_5MoeTextModel(cfg, tp, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+
+    def set_kernels(self, kernels: KernelConfig, graphs: bool) -> None:
+        """Every layer's kernels (configs/kernels.py), resolved for the device the weights are
+        on. graphs: rounds replay CUDA graphs, so their attention may read no host values; it
+        also decides whether the elementwise chains compile, unless `kernels` says."""
+        device = self.lm_head.weight.device
+        set_round_attention(self, kernels.round_attention(device, graphs))
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.batched_rounds = kernels.gdn_rounds == "batched"
+            elif isinstance(m, SparseMoE):
+                m.fused_inputs = kernels.moe_inputs == "fused"
+                m.experts.kernel = kernels.moe
+        fused.enable(kernels.compiles_elementwise(graphs))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -21,8 +21,6 @@ import torch.distributed as dist
 from configs.engine import EngineConfig, SamplingParams
 from configs.logs import setup_logging_if_actor
 from target.distributed import TPGroup
-from target.kernels import fused
-from target.layers.attention import set_round_attention
 from target.loader import load_target
 from target.model import Qwen3_5MoeForCausalLM
 from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
@@ -85,16 +83,17 @@ class TargetWorker(StepLoopEnds):
         group = TPGroup(rank=self.rank, size=self.tp)
         self.model = load_target(self.cfg.model, tp=group, dtype=self.cfg.torch_dtype,
                                  device=self.device, load_format=self.cfg.load_format)
-        graphs = self.device.type == "cuda" and not self.cfg.enforce_eager
-        kernel = self.cfg.attention_kernel(self.device)
-        set_round_attention(self.model, "triton" if kernel == "triton"
-                            else "gathered" if graphs else "reference")
+        self.model.set_kernels(self.cfg.kernels, graphs=self._graphs())
         if self.aux_ring_rows:  # before the memory profile, so the ring counts as used
             width = len(self.aux_layer_ids) * self.model.config.hidden_size
             self.aux_sender = make_aux_sender(
                 self.device, AUX_RING_SLOTS, self.aux_ring_rows, width, self.model.dtype,
                 pair=self.cfg.draft_placement == "separate")
         return self.rank
+
+    def _graphs(self) -> bool:
+        """Rounds replay CUDA graphs: on CUDA unless enforce_eager."""
+        return self.device.type == "cuda" and not self.cfg.enforce_eager
 
     def aux_spec(self) -> AuxRingSpec:
         return self.aux_sender.spec()
@@ -150,13 +149,12 @@ class TargetWorker(StepLoopEnds):
         elementwise chains compiled (target/kernels/fused.py), and the caches hold scratch
         pages and a scratch state slot for their padding sequences."""
         cfg, page = self.cfg, self.cfg.kv_block_size
-        graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        graphs = self._graphs()
         scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page) if graphs else 0
         caches = allocate_target_caches(self.model, num_kv_blocks + scratch, page,
                                         cfg.max_num_seqs + int(graphs), self.device)
         round_graphs = None
-        if graphs:  # compiled elementwise chains too (one kernel each), before any capture
-            fused.enable()
+        if graphs:  # (the elementwise chains compile with them: set_kernels in init_model)
             max_len = cfg.max_model_len or self.model.config.max_position_embeddings
             round_graphs = RoundGraphs(
                 self.model, caches, self.aux_layer_ids, self.device, cfg.max_num_seqs,

@@ -21,16 +21,15 @@ from target.layers.rotary import RotaryEmbedding
 
 
 class GatedAttention(nn.Module):
-    # Uniform batches (every sequence queries the same count: rounds). Chosen once per model
-    # by set_round_attention from EngineConfig.attention_backend: "triton" reads the pages in
-    # place (target/kernels/attention_triton.py); "gathered" gathers the table's pages for one
-    # batched call; both use no host values (CUDA graphs capture them). "reference" loops over
-    # sequences with host lengths (eager torch).
-    round_attention = "reference"
-
     def __init__(self, cfg: TargetConfig, layer_idx: int, tp: TPGroup, dtype: torch.dtype,
                  rotary: RotaryEmbedding):
         super().__init__()
+        # Uniform batches (every sequence queries the same count: rounds). Chosen once per
+        # model by set_round_attention (the model's set_kernels: KernelConfig.round_attention):
+        # "triton" reads the pages in place (target/kernels/attention_triton.py); "gathered"
+        # gathers the table's pages for one batched call; both use no host values (CUDA graphs
+        # capture them). "reference" loops over sequences with host lengths (eager torch).
+        self.round_attention = "reference"
         self.layer_idx = layer_idx
         self.head_dim = d = cfg.head_dim
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")

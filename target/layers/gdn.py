@@ -50,12 +50,12 @@ IN_PROJ_PARTS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": (3,), "in_proj_b": (4,),
 
 
 class GatedDeltaNet(nn.Module):
-    # Rounds (every sequence verifies the same L tokens) run batched; False forces the
-    # per-sequence path, which mixed batches always take (tests compare the two).
-    batched_rounds = True
-
     def __init__(self, cfg: TargetConfig, layer_idx: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
+        # Rounds (every sequence verifies the same L tokens) run batched; False
+        # (KernelConfig.gdn_rounds "per-seq") takes the per-sequence path, which mixed batches
+        # always take (tests compare the two).
+        self.batched_rounds = True
         self.layer_idx = layer_idx
         self.tp = tp
         self.num_k_heads = tp.shard(cfg.linear_num_key_heads, "linear_num_key_heads")

@@ -30,10 +30,10 @@ class FusedExperts(nn.Module):
         self.inter = i = tp.shard(cfg.moe_intermediate_size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype), False)
-        # "auto": on CUDA, one Triton GEMV per (token, slot) pair up to PAIR_MAX pairs (decode,
-        # small verify), grouped GEMMs above it where torch._grouped_mm runs fast (sm90+,
-        # bf16), gathered expert weights elsewhere (no host sync: capturable); on CPU the
-        # reference loop. "pairs", "grouped", "gathered", "reference" force one (tests, bench).
+        # configs/kernels.py MOE_BACKENDS, set by the model's set_kernels. "auto": on CUDA, one
+        # Triton GEMV per (token, slot) pair up to PAIR_MAX pairs (decode, small verify),
+        # grouped GEMMs above it where torch._grouped_mm runs fast (sm90+, bf16), gathered
+        # expert weights elsewhere (no host sync: capturable); on CPU the reference loop.
         self.kernel = "auto"
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
@@ -104,15 +104,12 @@ class FusedExperts(nn.Module):
 class SparseMoE(nn.Module):
     """The router, the shared expert's gate/up and its gate all read x: their weights are row
     views of one [E + 2·I_shared/tp + 1, H] tensor (`in_proj`, filled by their own loaders),
-    so a step can run one GEMM for the three (`fused_inputs`). At one row on the H200 the three
-    GEMMs took 5.7 + 12.7 + 4.0 µs per layer (bench/linear_kernel.py, 2026-12-04). Off by
-    default until bench/engine.py --moe-inputs fused has been measured against separate: in
-    the one A/B so far the fused run gave no result within its time limit (docs/BENCHMARKS.md)."""
-
-    fused_inputs = False
+    so a step can run one GEMM for the three (`fused_inputs`: KernelConfig.moe_inputs, set by
+    the model's set_kernels; "separate" until a GPU A/B decides, docs/BENCHMARKS.md)."""
 
     def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
+        self.fused_inputs = False
         self.tp = tp
         self.top_k = cfg.num_experts_per_tok
         h, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size

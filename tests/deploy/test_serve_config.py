@@ -67,17 +67,21 @@ def test_load_format_reaches_the_engine_and_is_checked(tiny_demo):
         ServeArgs.from_dict({"model": target, "load_format": "npz"}).engine_config()
 
 
-def test_attention_backend_reaches_the_engine_and_resolves_per_device(tiny_demo, monkeypatch):
+def test_kernel_backends_reach_the_engine_and_resolve_per_device(tiny_demo, monkeypatch):
     from target.kernels import attention_triton
 
     target, _ = map(str, tiny_demo)
-    cfg = ServeArgs.from_dict({"model": target, "attention_backend": "torch"}).engine_config()
-    assert cfg.attention_backend == "torch" and cfg.attention_kernel("cuda") == "torch"
-    with pytest.raises(ValueError, match="attention_backend"):
-        ServeArgs.from_dict({"model": target, "attention_backend": "flash"}).engine_config()
-    auto = ServeArgs.from_dict({"model": target}).engine_config()
+    cfg = ServeArgs.from_dict({"model": target, "attention_backend": "torch",
+                               "moe_backend": "grouped"}).engine_config()
+    assert cfg.kernels.attention == "torch" and cfg.kernels.attention_kernel("cuda") == "torch"
+    assert cfg.kernels.moe == "grouped"
+    for field, bad in (("attention_backend", "flash"), ("moe_backend", "cutlass")):
+        with pytest.raises(ValueError, match=field):
+            ServeArgs.from_dict({"model": target, field: bad}).engine_config()
+    auto = ServeArgs.from_dict({"model": target}).engine_config().kernels
     assert auto.attention_kernel("cpu") == "torch"  # never the interpreter by default
     assert auto.attention_kernel("cuda") == ("triton" if attention_triton.triton else "torch")
+    assert auto.moe == "auto"
     # asked for explicitly where it cannot run: an error naming the field, not a fallback
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend 'triton'"):

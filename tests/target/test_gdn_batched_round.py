@@ -10,13 +10,15 @@ import pytest
 import torch
 from target_harness import TargetHarness
 
+from configs.kernels import KernelConfig
 from target.layers.gdn import GatedDeltaNet
 
 
 def run(harness: TargetHarness, batched: bool, kept: list[int], L: int):
-    for m in harness.model.modules():
-        if isinstance(m, GatedDeltaNet):
-            m.batched_rounds = batched
+    harness.model.set_kernels(KernelConfig(gdn_rounds="batched" if batched else "per-seq"),
+                              graphs=False)
+    assert {m.batched_rounds for m in harness.model.modules()
+            if isinstance(m, GatedDeltaNet)} == {batched}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 11, 7)]
     tables = [harness.pages(64) for _ in prompts]

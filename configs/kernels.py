@@ -1,0 +1,86 @@
+"""Every choice between kernels, in one place: `KernelConfig`. The engine builds it from
+EngineConfig (`attention_backend`, `moe_backend`); the benchmarks build it from their flags to
+measure one path against another in the same build. A model takes it once, after loading
+(`Qwen3_5MoeForCausalLM.set_kernels`, `DFlashDraftModel.set_kernels`), and each layer keeps
+the choice it was given: nothing is switched per class or per process by a benchmark.
+
+"auto" resolves per device and, for the routed experts, per step size (FusedExperts): the
+defaults are the paths measured fastest on the H200 (docs/BENCHMARKS.md); the others are the
+references the tests compare against, or alternatives kept until a GPU run decides them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Decode steps, verify rounds and the draft's blocks: "triton" reads the KV pages in place,
+# keys split across programs (target/kernels/attention_triton.py); "torch" gathers each
+# sequence's pages, then batched matmuls or SDPA (target/kernels/attention.py); "auto" is
+# triton where Triton runs (CUDA), torch elsewhere. Prefill chunks take PyTorch's flash kernels
+# with either.
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+# The routed experts (target/layers/moe.py FusedExperts): "auto" takes, on CUDA, the Triton
+# pair GEMVs up to PAIR_MAX (token, slot) pairs and grouped GEMMs above (gathered weights
+# where torch._grouped_mm does not run), and the per-expert loop on CPU; the others force one
+# path for every step size.
+MOE_BACKENDS = ("auto", "pairs", "grouped", "gathered", "reference")
+# The router, the shared expert's gate/up and its gate read the same x: three GEMMs
+# ("separate") or one over their stacked weights ("fused"; not yet measured on a GPU).
+MOE_INPUTS = ("separate", "fused")
+# Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
+# mixed batches take ("per-seq": the reference).
+GDN_ROUNDS = ("batched", "per-seq")
+
+
+def _check(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    attention: str = "auto"  # ATTENTION_BACKENDS
+    moe: str = "auto"  # MOE_BACKENDS
+    moe_inputs: str = "separate"  # MOE_INPUTS
+    gdn_rounds: str = "batched"  # GDN_ROUNDS
+    # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
+    # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
+    # functions are shared by every model in the process.
+    compile_elementwise: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check("attention_backend", self.attention, ATTENTION_BACKENDS)
+        _check("moe_backend", self.moe, MOE_BACKENDS)
+        _check("moe_inputs", self.moe_inputs, MOE_INPUTS)
+        _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
+
+    def attention_kernel(self, device: torch.device | str) -> str:
+        """The resolved attention on this device: "triton" or "torch". "auto" takes triton on
+        CUDA only (on CPU it would run in Triton's interpreter: tests)."""
+        from target.kernels import attention_triton
+
+        device = torch.device(device)
+        if self.attention == "auto":
+            cuda = device.type == "cuda" and attention_triton.triton is not None
+            return "triton" if cuda else "torch"
+        if self.attention == "triton" and not attention_triton.available(device):
+            raise ValueError(f"attention_backend 'triton' needs Triton and a CUDA device (or "
+                             f"TRITON_INTERPRET=1), not {device}"
+                             + (" without Triton" if attention_triton.triton is None else ""))
+        return self.attention
+
+    def round_attention(self, device: torch.device | str, graphs: bool) -> str:
+        """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";
+        or with torch, "gathered" (no host values: CUDA graphs capture it) when rounds are
+        captured and the per-sequence "reference" when they run eagerly."""
+        if self.attention_kernel(device) == "triton":
+            return "triton"
+        return "gathered" if graphs else "reference"
+
+    def block_attention(self, device: torch.device | str) -> str:
+        """The draft's blocks (draft/model.py BLOCK_ATTENTION): "triton" or "gathered"."""
+        return "triton" if self.attention_kernel(device) == "triton" else "gathered"
+
+    def compiles_elementwise(self, graphs: bool) -> bool:
+        return graphs if self.compile_elementwise is None else self.compile_elementwise

@@ -1,0 +1,98 @@
+"""configs/kernels.py: every kernel choice is a validated field of KernelConfig, resolved per
+device in one place, and reaches each layer through the models' set_kernels — from the
+engine's EngineConfig (the workers) as from the benchmarks' flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from configs.engine import EngineConfig
+from configs.kernels import GDN_ROUNDS, MOE_BACKENDS, MOE_INPUTS, KernelConfig
+from target.kernels import fused
+
+
+@pytest.mark.parametrize("field,name", [("attention", "attention_backend"),
+                                        ("moe", "moe_backend"), ("moe_inputs", "moe_inputs"),
+                                        ("gdn_rounds", "gdn_rounds")])
+def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
+    with pytest.raises(ValueError, match=name):
+        KernelConfig(**{field: "nope"})
+
+
+def test_attention_resolves_per_device_and_use():
+    auto = KernelConfig()
+    assert auto.attention_kernel("cpu") == "torch"
+    assert auto.round_attention("cpu", graphs=False) == "reference"
+    assert auto.round_attention("cpu", graphs=True) == "gathered"  # captured: no host values
+    assert auto.block_attention("cpu") == "gathered"
+    assert auto.compiles_elementwise(True) and not auto.compiles_elementwise(False)
+    assert not KernelConfig(compile_elementwise=False).compiles_elementwise(True)
+
+
+def layers(model, cls):
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def choices(target, draft) -> dict[str, set]:
+    from draft.model import DraftAttention
+    from target.layers.attention import GatedAttention
+    from target.layers.gdn import GatedDeltaNet
+    from target.layers.moe import SparseMoE
+
+    moes = layers(target, SparseMoE)
+    return {
+        "round_attention": {m.round_attention for m in layers(target, GatedAttention)},
+        "batched_rounds": {m.batched_rounds for m in layers(target, GatedDeltaNet)},
+        "fused_inputs": {m.fused_inputs for m in moes},
+        "experts": {m.experts.kernel for m in moes},
+        "block_attention": {m.block_attention for m in layers(draft, DraftAttention)},
+    }
+
+
+@pytest.mark.parametrize("moe", [m for m in MOE_BACKENDS if m != "auto"])
+def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
+    from draft.model import DFlashDraftModel
+    from target.loader import load_target
+
+    target = load_target(str(tiny_demo[0]))
+    draft = DFlashDraftModel.from_pretrained(str(tiny_demo[1]))
+    kernels = KernelConfig(moe=moe, moe_inputs=MOE_INPUTS[-1], gdn_rounds=GDN_ROUNDS[-1])
+    try:
+        target.set_kernels(kernels, graphs=True)
+        draft.set_kernels(kernels)
+        assert choices(target, draft) == {
+            "round_attention": {"gathered"}, "batched_rounds": {False}, "fused_inputs": {True},
+            "experts": {moe}, "block_attention": {"gathered"}}
+    finally:
+        fused.enable(False)
+
+
+def test_the_engine_workers_take_the_engine_configs_kernels(tiny_demo):
+    """What `serve --moe-backend …` reaches: the in-process engine's target worker and draft
+    worker set their models' kernels from EngineConfig."""
+    from cluster.engine import LLMEngine
+
+    target, draft = map(str, tiny_demo)
+    cfg = EngineConfig(model=target, draft_model=draft, moe_backend="reference",
+                       attention_backend="torch", max_num_seqs=2, max_model_len=64)
+    engine = LLMEngine(cfg)
+    executor = engine.executor  # a LocalExecutor over the workers' runners
+    found = choices(executor.runner.model, executor.drafter.model)
+    assert found["experts"] == {"reference"}
+    assert found["round_attention"] == {"reference"}  # CPU: rounds run eagerly
+    assert found["block_attention"] == {"gathered"}
+    assert not fused._enabled  # no CUDA graphs, no compiled chains
+    out = engine.generate([[1, 2, 3]], [cfg_params()])[0]
+    assert len(out.output_ids) == 4 and out.finish_reason == "length"
+
+
+def cfg_params():
+    from configs.engine import SamplingParams
+
+    return SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def test_engine_config_rejects_a_bad_moe_backend(tiny_demo):
+    with pytest.raises(ValueError, match="moe_backend"):
+        EngineConfig(model=str(tiny_demo[0]), moe_backend="triton")
+    assert EngineConfig(model=str(tiny_demo[0])).kernels == KernelConfig()
