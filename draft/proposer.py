@@ -14,6 +14,7 @@ from workers.cuda_graphs import (
     CapturedCall,
     bucket_for,
     capture_or_log,
+    graph_batch_buckets,
     num_scratch_pages,
     page_bucket,
 )
@@ -24,7 +25,10 @@ class DraftRunner:
     """`graph_max_seqs` > 0 (CUDA): proposals replay a CUDA graph per (batch bucket, B, page
     bucket) up to that many sequences and tables up to `graph_max_pages` wide
     (workers/cuda_graphs.py); the cache then holds scratch pages past num_blocks for the
-    padding sequences."""
+    padding sequences. Context writes of up to bucket · B rows (a round's committed tokens;
+    short prefill chunks) replay one graph per row bucket too: eagerly a write is ~240 small
+    ops for the 8-layer draft (fc, norm, RoPE, each layer's k/v projections and norms, the
+    cache stores), all host launch time at round sizes. Longer writes run eagerly."""
 
     def __init__(self, model: DFlashDraftModel, num_blocks: int, page_size: int, block_size: int,
                  embed: Callable[[torch.Tensor], torch.Tensor],
@@ -41,7 +45,13 @@ class DraftRunner:
         self.kv_cache = model.allocate_kv_cache(num_blocks + scratch, page_size)
         self.scratch_pages = torch.arange(num_blocks, num_blocks + scratch, dtype=torch.int32)
         self.graphs: dict[tuple[int, int, int], CapturedCall] = {}
-        self.failed: dict[tuple[int, int, int], str] = {}  # shapes that run eagerly
+        # Context writes by padded row count; their rows past the real ones go to the first
+        # scratch page's slots (never read: padding sequences have no context).
+        self.write_graphs: dict[int, CapturedCall] = {}
+        self.write_rows = [b * block_size for b in graph_batch_buckets(graph_max_seqs)] \
+            if graph_max_seqs else []
+        # shapes that run eagerly: proposals (S, B, P), writes ("write", rows)
+        self.failed: dict[tuple, str] = {}
         # (off CUDA: the same static buffers, run without capture)
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
@@ -62,9 +72,38 @@ class DraftRunner:
         seq_of = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
         page = self.page_size
         slots = tables[seq_of, pos // page] * page + pos % page
-        slot_mapping = slots.to(self.device)
-        self.model.write_context(write.aux.to(self.device), pos.to(self.device), slot_mapping,
-                                 self.kv_cache)
+        aux = write.aux.to(self.device)
+        rows = next((r for r in self.write_rows if r >= len(pos)), None)
+        if rows is None or ("write", rows) in self.failed or not self._replay_write(
+                rows, aux, pos, slots):
+            self.model.write_context(aux, pos.to(self.device), slots.to(self.device),
+                                     self.kv_cache)
+
+    def _replay_write(self, rows: int, aux: torch.Tensor, pos: torch.Tensor,
+                      slots: torch.Tensor) -> bool:
+        """The write padded to `rows` through its graph; False if it cannot be captured."""
+        n, extra = len(pos), rows - len(pos)
+        pos = torch.cat([pos, torch.zeros(extra, dtype=torch.long)])
+        scratch = int(self.scratch_pages[0]) * self.page_size + torch.arange(extra) % \
+            self.page_size
+        slots = torch.cat([slots, scratch])
+        call = self.write_graphs.get(rows)
+        if call is None:
+            static = {"aux": torch.zeros(rows, aux.shape[1], dtype=aux.dtype, device=self.device),
+                      "positions": pos.to(self.device), "slots": slots.to(self.device)}
+            static["aux"][:n] = aux
+
+            def write(inputs: dict[str, torch.Tensor]) -> None:
+                self.model.write_context(inputs["aux"], inputs["positions"], inputs["slots"],
+                                         self.kv_cache)
+
+            call = capture_or_log(lambda: CapturedCall(write, static, self.pool),
+                                  "context write", ("write", rows), self.failed)
+            if call is None:
+                return False
+            self.write_graphs[rows] = call
+        call(aux=aux, positions=pos, slots=slots)  # aux fills the first n rows
+        return True
 
     @torch.inference_mode()
     def propose(self, req: ProposeRequest) -> torch.Tensor:
