@@ -1,7 +1,9 @@
-"""Routed-expert kernels at decode / small-verify token counts: the pair GEMVs
-(target/kernels/moe_triton.py) at a few block shapes against the grouped GEMMs
+"""Routed-expert kernels at decode / verify token counts: the pair GEMVs
+(target/kernels/moe_triton.py) and the sorted-pair block GEMMs (target/kernels/moe_sorted.py),
+each at its default launch shape and a few overrides, against the grouped GEMMs
 (target/kernels/moe.py), as µs per call, bytes of distinct expert weights read and the GB/s
-that makes, next to a device copy's bandwidth measured in the same run.
+that makes, next to a device copy's bandwidth measured in the same run. Up to 128 tokens: a
+16-token verify at batch 8, where grouped runs today.
 
     python -m bench.moe_kernel --device cuda --out moe_kernel.json
     python -m bench.moe_kernel --device cpu --small   # smoke check (Triton interpreter)
@@ -23,15 +25,17 @@ from collections.abc import Callable
 
 import torch
 
-from bench.floors import measure_bandwidth, sync
 from bench.timing import graphed, median_p90, sample_times
 
-REAL = dict(hidden=2048, inter=512, experts=256, k=8, tokens=[1, 2, 4, 8, 16, 32])
+REAL = dict(hidden=2048, inter=512, experts=256, k=8, tokens=[1, 2, 4, 8, 16, 32, 64, 128])
 SMALL = dict(hidden=64, inter=32, experts=16, k=4, tokens=[1, 2])
 # (gate_up, down) block overrides as (BLOCK_N, BLOCK_K, num_warps); None: the heuristic.
 CONFIGS = [None, ((8, 256, 4), (16, 256, 4)), ((16, 256, 4), (16, 256, 4)),
            ((32, 128, 4), (32, 128, 4)), ((8, 512, 4), (8, 512, 4)),
            ((16, 256, 8), (32, 256, 8))]
+# The same for the sorted-pair kernels, as (BLOCK_N, BLOCK_K, num_warps, num_stages).
+SORTED_CONFIGS = [None, ((32, 64, 4, 4), (32, 64, 4, 4)), ((64, 128, 4, 3), (64, 128, 4, 3)),
+                  ((128, 64, 8, 3), (128, 128, 8, 3))]
 POOL = 16
 
 
@@ -42,6 +46,8 @@ def make_calls(fn: Callable, pool: list[tuple], gate_up: torch.Tensor,
 
 def time_calls(calls: list[Callable], device: torch.device, iters: int) -> dict[str, float]:
     """Median µs per call, eager and (CUDA) from one graph of all calls."""
+    from bench.floors import sync  # late: see main
+
     def run_all():
         for call in calls:
             call()
@@ -58,6 +64,7 @@ def time_calls(calls: list[Callable], device: torch.device, iters: int) -> dict[
 def bench_tokens(tokens: int, sizes: dict, weights: tuple, device: torch.device,
                  dtype: torch.dtype, iters: int, pool_size: int) -> list[dict]:
     from target.kernels.moe import grouped_experts, grouped_mm_available
+    from target.kernels.moe_sorted import SortedBlocks, sorted_experts
     from target.kernels.moe_triton import PairBlocks, pair_experts
 
     hidden, inter, experts, k = (sizes[n] for n in ("hidden", "inter", "experts", "k"))
@@ -78,10 +85,15 @@ def bench_tokens(tokens: int, sizes: dict, weights: tuple, device: torch.device,
                                          down_blocks=PairBlocks(*cfg[1]))
         name = "auto" if cfg is None else "/".join("x".join(map(str, c)) for c in cfg)
         methods.append(("pair", name, make_calls(pair_experts, pool, gate_up, down, **kw)))
+    for cfg in SORTED_CONFIGS:
+        kw = {} if cfg is None else dict(gate_up_blocks=SortedBlocks(*cfg[0]),
+                                         down_blocks=SortedBlocks(*cfg[1]))
+        name = "auto" if cfg is None else "/".join("x".join(map(str, c)) for c in cfg)
+        methods.append(("sorted", name, make_calls(sorted_experts, pool, gate_up, down, **kw)))
     if grouped_mm_available(pool[0][0]) or device.type == "cpu":
         methods.append(("grouped", "-", make_calls(grouped_experts, pool, gate_up, down)))
 
-    want = methods[-1][2][0]().double()  # grouped where it runs, else the last pair config
+    want = methods[-1][2][0]().double()  # grouped where it runs, else the last sorted config
     rows = []
     for method, config, calls in methods:
         err = ((calls[0]().double() - want).norm() / want.norm()).item()
@@ -96,8 +108,8 @@ def bench_tokens(tokens: int, sizes: dict, weights: tuple, device: torch.device,
 
 def table(rows: list[dict], copy_gb_s: float) -> str:
     lines = [f"device copy: {copy_gb_s:.0f} GB/s (read + write)", "",
-             "| T | method | config (gate_up/down NxKxW) | experts | MB | eager µs | graph µs "
-             "| GB/s | % copy | rel err |", "|" + "---|" * 10]
+             "| T | method | config (gate_up/down NxKxW[xS]) | experts | MB | eager µs "
+             "| graph µs | GB/s | % copy | rel err |", "|" + "---|" * 10]
     for r in rows:
         lines.append(f"| {r['tokens']} | {r['method']} | {r['config']} | "
                      f"{r['distinct_experts']:.1f} | {r['mb']} | {r['eager_us']} | "
@@ -116,8 +128,11 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
-        # Triton reads this when it is imported: the pair kernels then run in its interpreter.
+        # Triton reads this when it is imported: the kernels then run in its interpreter.
         os.environ["TRITON_INTERPRET"] = "1"
+    # Only now: bench.floors imports the model, and with it triton.
+    from bench.floors import measure_bandwidth
+
     sizes = SMALL if args.small else REAL
     tokens = args.tokens or sizes["tokens"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

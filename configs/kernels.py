@@ -23,8 +23,10 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 # The routed experts (target/layers/moe.py FusedExperts): "auto" takes, on CUDA, the Triton
 # pair GEMVs up to PAIR_MAX (token, slot) pairs and grouped GEMMs above (gathered weights
 # where torch._grouped_mm does not run), and the per-expert loop on CPU; the others force one
-# path for every step size.
-MOE_BACKENDS = ("auto", "pairs", "grouped", "gathered", "reference")
+# path for every step size. "sorted" (pairs sorted by expert, block-aligned: each touched
+# expert's weights read once per block of its pairs) is not part of "auto" until a GPU run
+# has measured it against pairs and grouped (docs/BENCHMARKS.md).
+MOE_BACKENDS = ("auto", "pairs", "sorted", "grouped", "gathered", "reference")
 # The router, the shared expert's gate/up and its gate read the same x: three GEMMs
 # ("separate") or one over their stacked weights ("fused"; not yet measured on a GPU).
 MOE_INPUTS = ("separate", "fused")

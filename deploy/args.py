@@ -90,7 +90,7 @@ class ServeArgs:
     moe_backend: str = arg(
         "auto", "the routed experts' kernel: auto (on CUDA Triton GEMVs per token-expert pair "
         "for small steps, grouped GEMMs above; on CPU a loop over experts), or one of pairs, "
-        "grouped, gathered, reference for every step")
+        "sorted, grouped, gathered, reference for every step")
     shutdown_grace_s: float = arg(
         DEFAULT_SHUTDOWN_GRACE_S, "on SIGTERM or Ctrl-C: seconds the requests in flight may "
         "run on (new ones get 503); those still running then end with an error event "

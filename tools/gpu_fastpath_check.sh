@@ -7,7 +7,10 @@
 #   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts)
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
 #   nofuse   the same without the compiled elementwise chains (--no-fuse), B = 16, no baseline
-#   moe      bench/moe_kernel.py: the pair GEMVs against the grouped GEMMs, 1-32 tokens
+#   moe      bench/moe_kernel.py: the pair GEMVs and the sorted-pair block GEMMs (a few launch
+#            shapes each) against the grouped GEMMs, 1-128 tokens
+#   moepaths bench/engine.py at batch 1 and 8, B = 16, with the routed experts auto (pairs /
+#            grouped), sorted, auto again (three processes: the run-to-run spread shows)
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
 #   moeinputs bench/engine.py at batch 1 and 8, B = 16, with the MoE's three input GEMMs
@@ -33,6 +36,7 @@ tests)
 moetests)
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
     --tb=short -m gpu tests/target/test_moe_triton.py tests/target/test_moe_kernel.py \
+    tests/target/test_moe_sorted.py \
     > "$OUT/gpu_moe_tests.txt" 2>&1
   tail -4 "$OUT/gpu_moe_tests.txt"
   timeout ${TESTS_TIMEOUT:-240} python3 -c "
@@ -60,11 +64,21 @@ nofuse)
     --prompt-len 512 --iters 10 --warmup 3 --out "$OUT/engine_nofuse.json" 2>&1 \
     | tee "$OUT/bench_nofuse.log" | grep -v "falling back" | tail -6 ;;
 moe)
-  timeout ${MOE_TIMEOUT:-120} python3 -m bench.moe_kernel --device cuda --out "$OUT/moe_kernel.json" \
+  timeout ${MOE_TIMEOUT:-240} python3 -m bench.moe_kernel --device cuda --out "$OUT/moe_kernel.json" \
     2>&1 | tee "$OUT/moe_kernel.log" | tail -40 ;;
 linear)
   timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda \
     --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" | tail -12 ;;
+moepaths)
+  i=0
+  for m in auto sorted auto; do
+    i=$((i + 1))
+    timeout ${BENCH_TIMEOUT:-175} python3 -m bench.engine --random-weights \
+      --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
+      --prompt-len 512 --iters 10 --warmup 3 --moe $m \
+      --out "$OUT/engine_moe_${i}_$m.json" > "$OUT/engine_moe_${i}_$m.log" 2>&1
+    echo "moe $m: rc $?"; grep -v "falling back" "$OUT/engine_moe_${i}_$m.log" | tail -6
+  done ;;
 moeinputs)
   i=0
   for m in separate fused separate; do

@@ -12,6 +12,7 @@ from configs.model import TargetConfig
 from target.distributed import TPGroup, all_reduce
 from target.kernels import fused
 from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
+from target.kernels.moe_sorted import sorted_experts
 from target.kernels.moe_triton import PAIR_MAX, pair_experts, pair_experts_available
 from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from target.weights import WeightSource, copy_into, expect_shape
@@ -34,6 +35,7 @@ class FusedExperts(nn.Module):
         # Triton GEMV per (token, slot) pair up to PAIR_MAX pairs (decode, small verify),
         # grouped GEMMs above it where torch._grouped_mm runs fast (sm90+, bf16), gathered
         # expert weights elsewhere (no host sync: capturable); on CPU the reference loop.
+        # "sorted" (target/kernels/moe_sorted.py) is not in "auto" until measured on a GPU.
         self.kernel = "auto"
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
@@ -69,7 +71,8 @@ class FusedExperts(nn.Module):
         kernel = self.kernel if self.kernel != "auto" else self._auto(x, topk_ids.numel())
         if kernel == "reference":
             return self.reference(x, topk_ids, topk_weights)
-        fn = {"pairs": pair_experts, "grouped": grouped_experts, "gathered": gathered_experts}
+        fn = {"pairs": pair_experts, "sorted": sorted_experts, "grouped": grouped_experts,
+              "gathered": gathered_experts}
         return fn[kernel](x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
 
     @staticmethod

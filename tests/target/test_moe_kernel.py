@@ -105,3 +105,24 @@ def test_cuda_default_is_grouped_and_matches_the_reference():
     got = grouped_experts(x, gate_up, down, ids.cuda(), w.cuda().bfloat16())
     want = reference(x.cpu(), gate_up.cpu(), down.cpu(), ids, w.bfloat16())
     assert (got.cpu().double() - want).norm() / want.norm() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_the_cuda_layer_through_the_sorted_path_matches_the_reference(tiny_models, tokens):
+    """moe_backend "sorted" (KernelConfig) at decode and verify sizes."""
+    from configs.kernels import KernelConfig
+    from target.loader import load_target
+
+    model = load_target(tiny_models / "target", dtype=torch.bfloat16, device="cuda")
+    model.set_kernels(KernelConfig(moe="sorted"), graphs=False)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.kernel == "sorted"
+    k = model.config.num_experts_per_tok
+    x = torch.randn(tokens, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts.num_experts)[:k] for _ in range(tokens)]).cuda()
+    w = torch.softmax(torch.randn(tokens, k), -1).cuda()
+    got = experts(x, ids, w)
+    want = reference(x.cpu(), experts.gate_up_proj.cpu(), experts.down_proj.cpu(), ids.cpu(),
+                     w.cpu())
+    assert (got.cpu().double() - want).norm() / want.norm() < 2e-2
