@@ -31,10 +31,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: TargetCaches) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                caches: TargetCaches) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (or the embeddings, residual None). Returns this
+        layer's MLP output and the stream before it: the stream after the layer is their sum,
+        which the next norm adds (a residual add is no kernel of its own)."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        x = x + mixer(self.input_layernorm(x), batch, caches)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm(x, residual)
+        residual, h = self.post_attention_layernorm(mixer(h, batch, caches), residual)
+        return self.mlp(h), residual
 
 
 class Qwen3_5MoeTextModel(nn.Module):
@@ -79,16 +87,16 @@ class Qwen3_5MoeForCausalLM(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the final-normed hidden states [T, H] and the aux features [T, n_aux·H]: the
         residual stream after each layer in batch.aux_layer_ids (before the final norm)."""
-        x = self.embed(batch.input_ids)
+        x, residual = self.embed(batch.input_ids), None
         wanted = set(batch.aux_layer_ids)
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, batch, caches)
-            if i in wanted:
-                aux[i] = x
+            x, residual = layer(x, residual, batch, caches)
+            if i in wanted:  # the stream after layer i (the next norm adds it again)
+                aux[i] = residual + x
         feats = [aux[i] for i in batch.aux_layer_ids]
         aux_out = torch.cat(feats, dim=-1) if feats else x.new_empty(x.shape[0], 0)
-        return self.model.norm(x), aux_out
+        return self.model.norm(x, residual)[1], aux_out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -55,6 +55,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @fusable
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add folded into the next norm: the stream residual + x (rounded to its
+    dtype, as the add alone is) and rms_norm of it."""
+    s = residual + x
+    h = s.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return s, (h * (1.0 + weight.float())).to(x.dtype)
+
+
+@fusable
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
     """The Gated DeltaNet output norm: plain weight, then ·silu(z)."""

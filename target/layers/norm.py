@@ -21,8 +21,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), False)
         self.weight.weight_loader = _replicated_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`: the stream residual + x and its norm, in one kernel."""
+        if residual is None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):

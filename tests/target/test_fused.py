@@ -20,6 +20,7 @@ def cases(device: str):
     h, t = 64, 5
     return [
         (fused.rms_norm, (r(t, h), r(h) * 0.1, 1e-6)),
+        (fused.add_rms_norm, (r(t, h), r(t, h), r(h) * 0.1, 1e-6)),
         (fused.gated_rms_norm, (r(t, 4, 16), r(t, 4, 16), r(16), 1e-6)),
         (fused.gdn_gates, (r(t, 4), r(t, 4), r(4, dtype=torch.float32),
                            r(4, dtype=torch.float32))),
@@ -73,3 +74,14 @@ def test_enable_routes_only_cuda_tensors_through_the_compiler():
                                    atol=0, rtol=0)
     finally:
         fused.enable(False)
+
+
+def test_the_folded_residual_add_is_the_add_then_the_norm():
+    """Eager, add_rms_norm gives the bits of the add and rms_norm run apart (the stream the
+    decoder layers carried before the add was folded)."""
+    g = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(5, 64, generator=g).bfloat16() for _ in range(2))
+    w = torch.randn(64, generator=g).bfloat16() * 0.1
+    s, h = fused.add_rms_norm(x, residual, w, 1e-6)
+    assert torch.equal(s, residual + x)
+    assert torch.equal(h, fused.rms_norm(residual + x, w, 1e-6))
