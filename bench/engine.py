@@ -35,6 +35,7 @@ from bench.random_model import (
     add_kernel_args,
     build_draft,
     build_target,
+    kernel_config,
     set_kernels,
     transformers_twin,
 )
@@ -239,11 +240,11 @@ def bench_transformers(hf, device: torch.device, prompt_len: int, vocab: int, ar
 
 
 def table(results: dict) -> str:
-    rows = ["| batch | context | prefill tok/s | decode ms (floor) | " + " | ".join(
+    rows = ["| variant | batch | context | prefill tok/s | decode ms (floor) | " + " | ".join(
         f"verify B={B} ms (floor) | draft B={B} ms | round B={B} ms"
         for B in results["args"]["block_sizes"]) + " |"]
     for r in results["ours"]:
-        cells = [str(r["batch"]), str(r.get("prompt_len", "")),
+        cells = [r.get("variant", "baseline"), str(r["batch"]), str(r.get("prompt_len", "")),
                  f"{r['prefill_tok_per_s']:.0f}",
                  f"{r['decode_ms']:.2f} ({r['decode_floor_ms']:.2f})"]
         for B in results["args"]["block_sizes"]:
@@ -277,6 +278,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the JSON here (rewritten after each batch size)")
     # Kernel choices, to measure each fast path against the others in the same build.
     add_kernel_args(p)
+    p.add_argument("--variants", nargs="+", default=[], metavar="FIELD=VALUE[,…]",
+                   help="also measure each of these kernel variants (KernelConfig fields over "
+                        "the flags above, e.g. moe=sorted) in this process, after the "
+                        "flags' own kernels at every batch size: a same-run A/B")
     p.add_argument("--draft-placement", choices=["colocated", "separate"],
                    default="colocated", help="with --tp: the draft on rank 0's GPU or on one "
                    "of its own (aux features over NCCL)")
@@ -299,11 +304,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prefill_chunk = args.prefill_chunk or None
     if args.tp is not None and len(args.prompt_lens) > 1:
         raise SystemExit("--tp measures one --prompt-len per run")
+    if args.tp is not None and args.variants:
+        raise SystemExit("--variants measures in process; with --tp run one process each")
     return args
 
 
 def main() -> None:
     args = parse_args()
+    for variant in args.variants:  # a typo fails now, not after the first measurements
+        kernel_config(args, variant)
     if args.tp is not None:
         from bench import engine_cluster
 
@@ -339,11 +348,14 @@ def main() -> None:
     runs = [(n, b) for n in args.prompt_lens for b in args.batch_sizes]
     for i, (n, b) in enumerate(runs):
         args.prompt_len = n
-        results["ours"].append(bench_batch(target, draft, b, args, bw, device))
-        print(json.dumps(results["ours"][-1]), flush=True)
-        save()
-        if device.type == "cuda":  # this context's caches and graphs go before the next
-            torch.cuda.empty_cache()
+        for variant in ["", *args.variants]:
+            set_kernels(target, draft, args, device, variant)
+            results["ours"].append({"variant": variant or "baseline",
+                                    **bench_batch(target, draft, b, args, bw, device)})
+            print(json.dumps(results["ours"][-1]), flush=True)
+            save()
+            if device.type == "cuda":  # this context's caches and graphs go before the next
+                torch.cuda.empty_cache()
         if i == 0 and not args.no_baseline and raw is not None:  # early: the slow part
             hf = transformers_twin(target, raw)
             results["transformers"] = bench_transformers(hf, device, args.prompt_len,

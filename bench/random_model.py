@@ -7,6 +7,7 @@ switches (add_kernel_args, set_kernels)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from torch import nn
@@ -93,14 +94,26 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs (rounds and proposals run eagerly)")
 
 
-def set_kernels(target: Qwen3_5MoeForCausalLM, draft: DFlashDraftModel,
-                args: argparse.Namespace, device: torch.device) -> bool:
-    """The kernels add_kernel_args chose, set as the workers set theirs; returns whether
-    rounds and proposals replay CUDA graphs."""
-    graphs = device.type == "cuda" and not args.enforce_eager
+def kernel_config(args: argparse.Namespace, variant: str = "") -> KernelConfig:
+    """The kernels add_kernel_args chose, with a variant's changes: "field=value[,…]" over
+    KernelConfig's fields (e.g. "moe=sorted", "moe_inputs=fused,moe=pairs"; "" for none)."""
     kernels = KernelConfig(attention=args.attention, moe=args.moe, moe_inputs=args.moe_inputs,
                            gdn_rounds=args.gdn_rounds,
                            compile_elementwise=False if args.no_fuse else None)
+    changes = dict(item.split("=", 1) for item in variant.split(",") if item)
+    unknown = set(changes) - {f.name for f in dataclasses.fields(KernelConfig)}
+    if unknown or "compile_elementwise" in changes:
+        raise SystemExit(f"variant {variant!r}: not a KernelConfig choice: "
+                         f"{sorted(unknown) or ['compile_elementwise (use --no-fuse)']}")
+    return dataclasses.replace(kernels, **changes)
+
+
+def set_kernels(target: Qwen3_5MoeForCausalLM, draft: DFlashDraftModel,
+                args: argparse.Namespace, device: torch.device, variant: str = "") -> bool:
+    """The kernels of kernel_config(args, variant), set as the workers set theirs; returns
+    whether rounds and proposals replay CUDA graphs."""
+    graphs = device.type == "cuda" and not args.enforce_eager
+    kernels = kernel_config(args, variant)
     target.set_kernels(kernels, graphs)
     draft.set_kernels(kernels)
     return graphs

@@ -9,12 +9,11 @@
 #   nofuse   the same without the compiled elementwise chains (--no-fuse), B = 16, no baseline
 #   moe      bench/moe_kernel.py: the pair GEMVs and the sorted-pair block GEMMs (a few launch
 #            shapes each) against the grouped GEMMs, 1-128 tokens
-#   moepaths bench/engine.py at batch 1 and 8, B = 16, with the routed experts auto (pairs /
-#            grouped), sorted, auto again (three processes: the run-to-run spread shows)
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
-#   moeinputs bench/engine.py at batch 1 and 8, B = 16, with the MoE's three input GEMMs
-#            separate, fused, separate again (three processes: the run-to-run spread shows)
+#   variants bench/engine.py at batch 1 and 8, B = 16, in one process: the default kernels, then
+#            each kernel variant still to be decided (VARIANTS, KernelConfig fields), then
+#            the defaults again (the same-run spread)
 # Usage: pip download --no-deps -d .whl flash-linear-attention fla-core   (on a machine with pip)
 #        pip download --no-deps dflash==0.1.0 -d .whl   (the tests' reference draft)
 #        OUT=/some/dir bash tools/gpu_fastpath_check.sh [tests profile golden bench]
@@ -69,24 +68,11 @@ moe)
 linear)
   timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda \
     --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" | tail -12 ;;
-moepaths)
-  i=0
-  for m in auto sorted auto; do
-    i=$((i + 1))
-    timeout ${BENCH_TIMEOUT:-175} python3 -m bench.engine --random-weights \
-      --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
-      --prompt-len 512 --iters 10 --warmup 3 --moe $m \
-      --out "$OUT/engine_moe_${i}_$m.json" > "$OUT/engine_moe_${i}_$m.log" 2>&1
-    echo "moe $m: rc $?"; grep -v "falling back" "$OUT/engine_moe_${i}_$m.log" | tail -6
-  done ;;
-moeinputs)
-  i=0
-  for m in separate fused separate; do
-    i=$((i + 1))
-    timeout ${BENCH_TIMEOUT:-175} python3 -m bench.engine --random-weights \
-      --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
-      --prompt-len 512 --iters 10 --warmup 3 --moe-inputs $m \
-      --out "$OUT/engine_moe_inputs_${i}_$m.json" > "$OUT/engine_moe_inputs_${i}_$m.log" 2>&1
-    echo "moe inputs $m: rc $?"; grep -v "falling back" "$OUT/engine_moe_inputs_${i}_$m.log" | tail -6
-  done ;;
+variants)
+  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
+    --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
+    --prompt-len 512 --iters 10 --warmup 3 \
+    --variants ${VARIANTS:-moe=sorted moe_inputs=fused moe=auto} \
+    --out "$OUT/engine_variants.json" 2>&1 | tee "$OUT/engine_variants.log" \
+    | grep -v "falling back" | tail -12 ;;
 esac; done

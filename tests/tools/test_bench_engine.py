@@ -57,7 +57,29 @@ def test_bench_engine_reports_every_step_with_floors(tmp_path):
         assert x["engine_overhead_AR_ms"] > 0
         assert all(v > 0 for v in x["engine_overhead_B4_ms"].values())
     assert r["transformers"]["decode_ms"] > 0
-    assert "| batch |" in proc.stdout
+    assert "| variant | batch |" in proc.stdout
+    assert {x["variant"] for x in r["ours"]} == {"baseline"}
+
+
+def test_bench_engine_measures_kernel_variants_in_the_same_run(tmp_path):
+    """--variants: each KernelConfig variant measured after the flags' own kernels at every
+    batch size, in one process; a name that is no KernelConfig field fails before any run."""
+    out = tmp_path / "engine.json"
+    base = [sys.executable, "-m", "bench.engine", "--random-weights", "--preset", "tiny",
+            "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "--block-sizes",
+            "4", "--prompt-len", "16", "--iters", "1", "--warmup", "0", "--no-baseline"]
+    proc = subprocess.run(base + ["--variants", "gdn_rounds=per-seq",
+                                  "moe_inputs=fused,moe=reference", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert [x["variant"] for x in r["ours"]] == ["baseline", "gdn_rounds=per-seq",
+                                                 "moe_inputs=fused,moe=reference"]
+    assert all(x["round_B4_ms"] > 0 and x["decode_floor_ms"] > 0 for x in r["ours"])
+    assert "| gdn_rounds=per-seq | 1 |" in proc.stdout
+    bad = subprocess.run(base + ["--variants", "moe=sorted", "expert=pairs"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "not a KernelConfig choice: ['expert']" in bad.stderr
 
 
 def test_engine_overhead_rounds_commit_what_the_instant_runner_accepts():
