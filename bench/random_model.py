@@ -12,7 +12,14 @@ import dataclasses
 import torch
 from torch import nn
 
-from configs.kernels import ATTENTION_BACKENDS, GDN_ROUNDS, MOE_BACKENDS, MOE_INPUTS, KernelConfig
+from configs.kernels import (
+    ATTENTION_BACKENDS,
+    GDN_ROUNDS,
+    MOE_BACKENDS,
+    MOE_INPUTS,
+    MOE_ROUTING,
+    KernelConfig,
+)
 from configs.model import TargetConfig
 from draft.config import DraftConfig
 from draft.model import DFlashDraftModel
@@ -86,6 +93,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
                    help="routed-expert kernel: EngineConfig.moe_backend")
     p.add_argument("--moe-inputs", choices=MOE_INPUTS, default="separate",
                    help="router, shared expert gate/up and its gate as one GEMM or three")
+    p.add_argument("--moe-routing", choices=MOE_ROUTING, default="torch",
+                   help="the router's softmax/top-k: compiled torch or one Triton kernel")
     p.add_argument("--gdn-rounds", choices=GDN_ROUNDS, default="batched")
     p.add_argument("--no-fuse", action="store_true",
                    help="leave the elementwise chains uncompiled (target/kernels/fused.py; the "
@@ -98,7 +107,7 @@ def kernel_config(args: argparse.Namespace, variant: str = "") -> KernelConfig:
     """The kernels add_kernel_args chose, with a variant's changes: "field=value[,…]" over
     KernelConfig's fields (e.g. "moe=sorted", "moe_inputs=fused,moe=pairs"; "" for none)."""
     kernels = KernelConfig(attention=args.attention, moe=args.moe, moe_inputs=args.moe_inputs,
-                           gdn_rounds=args.gdn_rounds,
+                           moe_routing=args.moe_routing, gdn_rounds=args.gdn_rounds,
                            compile_elementwise=False if args.no_fuse else None)
     changes = dict(item.split("=", 1) for item in variant.split(",") if item)
     unknown = set(changes) - {f.name for f in dataclasses.fields(KernelConfig)}

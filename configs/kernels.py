@@ -30,6 +30,10 @@ MOE_BACKENDS = ("auto", "pairs", "sorted", "grouped", "gathered", "reference")
 # The router, the shared expert's gate/up and its gate read the same x: three GEMMs
 # ("separate") or one over their stacked weights ("fused"; not yet measured on a GPU).
 MOE_INPUTS = ("separate", "fused")
+# The router's softmax → top-k → renormalise: "torch" (fused.moe_route: compiled, with
+# torch.topk's kernels beside it) or "triton" (target/kernels/moe_route.py: one kernel; not
+# yet measured on a GPU).
+MOE_ROUTING = ("torch", "triton")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -45,6 +49,7 @@ class KernelConfig:
     attention: str = "auto"  # ATTENTION_BACKENDS
     moe: str = "auto"  # MOE_BACKENDS
     moe_inputs: str = "separate"  # MOE_INPUTS
+    moe_routing: str = "torch"  # MOE_ROUTING
     gdn_rounds: str = "batched"  # GDN_ROUNDS
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
@@ -55,6 +60,7 @@ class KernelConfig:
         _check("attention_backend", self.attention, ATTENTION_BACKENDS)
         _check("moe_backend", self.moe, MOE_BACKENDS)
         _check("moe_inputs", self.moe_inputs, MOE_INPUTS)
+        _check("moe_routing", self.moe_routing, MOE_ROUTING)
         _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
 
     def attention_kernel(self, device: torch.device | str) -> str:
@@ -71,6 +77,18 @@ class KernelConfig:
                              f"TRITON_INTERPRET=1), not {device}"
                              + (" without Triton" if attention_triton.triton is None else ""))
         return self.attention
+
+    def routing_kernel(self, device: torch.device | str) -> str:
+        """moe_routing, checked against the device: "triton" needs Triton and CUDA (or
+        TRITON_INTERPRET=1)."""
+        from target.kernels import moe_route
+
+        device = torch.device(device)
+        if self.moe_routing == "triton" and (moe_route.triton is None or (
+                device.type != "cuda" and not moe_route._interpreted())):
+            raise ValueError(f"moe_routing 'triton' needs Triton and a CUDA device (or "
+                             f"TRITON_INTERPRET=1), not {device}")
+        return self.moe_routing
 
     def round_attention(self, device: torch.device | str, graphs: bool) -> str:
         """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";

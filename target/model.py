@@ -72,11 +72,13 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         also decides whether the elementwise chains compile, unless `kernels` says."""
         device = self.lm_head.weight.device
         set_round_attention(self, kernels.round_attention(device, graphs))
+        routing = kernels.routing_kernel(device)
         for m in self.modules():
             if isinstance(m, GatedDeltaNet):
                 m.batched_rounds = kernels.gdn_rounds == "batched"
             elif isinstance(m, SparseMoE):
                 m.fused_inputs = kernels.moe_inputs == "fused"
+                m.routing = routing
                 m.experts.kernel = kernels.moe
         fused.enable(kernels.compiles_elementwise(graphs))
 

@@ -35,7 +35,7 @@ tests)
 moetests)
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
     --tb=short -m gpu tests/target/test_moe_triton.py tests/target/test_moe_kernel.py \
-    tests/target/test_moe_sorted.py \
+    tests/target/test_moe_sorted.py tests/target/test_moe_route.py \
     > "$OUT/gpu_moe_tests.txt" 2>&1
   tail -4 "$OUT/gpu_moe_tests.txt"
   timeout ${TESTS_TIMEOUT:-240} python3 -c "
@@ -72,7 +72,7 @@ variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
     --prompt-len 512 --iters 10 --warmup 3 \
-    --variants ${VARIANTS:-moe=sorted moe_inputs=fused moe=auto} \
+    --variants ${VARIANTS:-moe=sorted moe_routing=triton moe_inputs=fused moe=auto} \
     --out "$OUT/engine_variants.json" 2>&1 | tee "$OUT/engine_variants.log" \
     | grep -v "falling back" | tail -12 ;;
 esac; done

@@ -12,6 +12,7 @@ from configs.model import TargetConfig
 from target.distributed import TPGroup, all_reduce
 from target.kernels import fused
 from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
+from target.kernels.moe_route import route_topk
 from target.kernels.moe_sorted import sorted_experts
 from target.kernels.moe_triton import PAIR_MAX, pair_experts, pair_experts_available
 from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -113,6 +114,7 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.fused_inputs = False
+        self.routing = "torch"  # KernelConfig.moe_routing: fused.moe_route, or "triton"
         self.tp = tp
         self.top_k = cfg.num_experts_per_tok
         h, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
@@ -136,7 +138,8 @@ class SparseMoE(nn.Module):
         else:
             logits, gate_up, shared_gate = (self.gate(x), self.shared_expert.gate_up_proj(x),
                                             self.shared_expert_gate(x))
-        topk_weights, topk_ids = fused.moe_route(logits, self.top_k, x.dtype)  # [T, k]
+        route = route_topk if self.routing == "triton" else fused.moe_route
+        topk_weights, topk_ids = route(logits, self.top_k, x.dtype)  # [T, k]
         routed = self.experts(x, topk_ids, topk_weights)
         shared = self.shared_expert.down_proj(fused.silu_mul(gate_up))
         out = fused.shared_expert_combine(routed, shared, shared_gate)

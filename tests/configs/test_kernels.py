@@ -13,10 +13,20 @@ from target.kernels import fused
 
 @pytest.mark.parametrize("field,name", [("attention", "attention_backend"),
                                         ("moe", "moe_backend"), ("moe_inputs", "moe_inputs"),
+                                        ("moe_routing", "moe_routing"),
                                         ("gdn_rounds", "gdn_rounds")])
 def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
     with pytest.raises(ValueError, match=name):
         KernelConfig(**{field: "nope"})
+
+
+def test_triton_routing_where_it_cannot_run_is_a_value_error(monkeypatch):
+    from target.kernels import moe_route
+
+    monkeypatch.setattr(moe_route, "_interpreted", lambda: False)
+    with pytest.raises(ValueError, match="moe_routing 'triton'"):
+        KernelConfig(moe_routing="triton").routing_kernel("cpu")
+    assert KernelConfig().routing_kernel("cpu") == "torch"
 
 
 def test_attention_resolves_per_device_and_use():
@@ -44,6 +54,7 @@ def choices(target, draft) -> dict[str, set]:
         "round_attention": {m.round_attention for m in layers(target, GatedAttention)},
         "batched_rounds": {m.batched_rounds for m in layers(target, GatedDeltaNet)},
         "fused_inputs": {m.fused_inputs for m in moes},
+        "routing": {m.routing for m in moes},
         "experts": {m.experts.kernel for m in moes},
         "block_attention": {m.block_attention for m in layers(draft, DraftAttention)},
     }
@@ -62,7 +73,7 @@ def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
         draft.set_kernels(kernels)
         assert choices(target, draft) == {
             "round_attention": {"gathered"}, "batched_rounds": {False}, "fused_inputs": {True},
-            "experts": {moe}, "block_attention": {"gathered"}}
+            "routing": {"torch"}, "experts": {moe}, "block_attention": {"gathered"}}
     finally:
         fused.enable(False)
 
