@@ -14,6 +14,7 @@ from torch import nn
 
 from configs.kernels import (
     ATTENTION_BACKENDS,
+    ATTENTION_INPUTS,
     GDN_ROUNDS,
     MOE_BACKENDS,
     MOE_INPUTS,
@@ -93,6 +94,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
                    help="routed-expert kernel: EngineConfig.moe_backend")
     p.add_argument("--moe-inputs", choices=MOE_INPUTS, default="separate",
                    help="router, shared expert gate/up and its gate as one GEMM or three")
+    p.add_argument("--attention-inputs", choices=ATTENTION_INPUTS, default="separate",
+                   help="q/gate, k and v as one GEMM or three")
     p.add_argument("--moe-routing", choices=MOE_ROUTING, default="torch",
                    help="the router's softmax/top-k: compiled torch or one Triton kernel")
     p.add_argument("--gdn-rounds", choices=GDN_ROUNDS, default="batched")
@@ -108,6 +111,7 @@ def kernel_config(args: argparse.Namespace, variant: str = "") -> KernelConfig:
     KernelConfig's fields (e.g. "moe=sorted", "moe_inputs=fused,moe=pairs"; "" for none)."""
     kernels = KernelConfig(attention=args.attention, moe=args.moe, moe_inputs=args.moe_inputs,
                            moe_routing=args.moe_routing, gdn_rounds=args.gdn_rounds,
+                           attention_inputs=args.attention_inputs,
                            compile_elementwise=False if args.no_fuse else None)
     changes = dict(item.split("=", 1) for item in variant.split(",") if item)
     unknown = set(changes) - {f.name for f in dataclasses.fields(KernelConfig)}

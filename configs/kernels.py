@@ -30,6 +30,9 @@ MOE_BACKENDS = ("auto", "pairs", "sorted", "grouped", "gathered", "reference")
 # The router, the shared expert's gate/up and its gate read the same x: three GEMMs
 # ("separate") or one over their stacked weights ("fused"; not yet measured on a GPU).
 MOE_INPUTS = ("separate", "fused")
+# q (with its output gate), k and v of a full-attention layer read the same x: three GEMMs
+# ("separate") or one over their stacked weights ("fused"; not yet measured on a GPU).
+ATTENTION_INPUTS = ("separate", "fused")
 # The router's softmax → top-k → renormalise: "torch" (fused.moe_route: compiled, with
 # torch.topk's kernels beside it) or "triton" (target/kernels/moe_route.py: one kernel; not
 # yet measured on a GPU).
@@ -50,6 +53,7 @@ class KernelConfig:
     moe: str = "auto"  # MOE_BACKENDS
     moe_inputs: str = "separate"  # MOE_INPUTS
     moe_routing: str = "torch"  # MOE_ROUTING
+    attention_inputs: str = "separate"  # ATTENTION_INPUTS
     gdn_rounds: str = "batched"  # GDN_ROUNDS
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
@@ -61,6 +65,7 @@ class KernelConfig:
         _check("moe_backend", self.moe, MOE_BACKENDS)
         _check("moe_inputs", self.moe_inputs, MOE_INPUTS)
         _check("moe_routing", self.moe_routing, MOE_ROUTING)
+        _check("attention_inputs", self.attention_inputs, ATTENTION_INPUTS)
         _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
 
     def attention_kernel(self, device: torch.device | str) -> str:

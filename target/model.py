@@ -74,7 +74,9 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         set_round_attention(self, kernels.round_attention(device, graphs))
         routing = kernels.routing_kernel(device)
         for m in self.modules():
-            if isinstance(m, GatedDeltaNet):
+            if isinstance(m, GatedAttention):
+                m.fused_inputs = kernels.attention_inputs == "fused"
+            elif isinstance(m, GatedDeltaNet):
                 m.batched_rounds = kernels.gdn_rounds == "batched"
             elif isinstance(m, SparseMoE):
                 m.fused_inputs = kernels.moe_inputs == "fused"

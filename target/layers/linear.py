@@ -108,3 +108,18 @@ def load_sharded_1d(param: torch.Tensor, src: WeightSource, tp: TPGroup) -> None
     local = param.shape[0]
     expect_shape(src, (local * tp.size,))
     copy_into(param.data, src.read(slice(tp.rank * local, (tp.rank + 1) * local)), src)
+
+
+def stack_rows(layers: list[nn.Module]) -> tuple[torch.Tensor, list[int]]:
+    """One [Σ out, in] tensor whose row blocks become the layers' weights (views, each keeping
+    its own weight_loader), so the layers that read the same input can also run as one GEMM;
+    and each layer's row count. The weights' values are not kept: call before loading."""
+    sizes = [layer.weight.shape[0] for layer in layers]
+    first = layers[0].weight
+    stacked = torch.empty(sum(sizes), first.shape[1], dtype=first.dtype, device=first.device)
+    for layer, rows in zip(layers, stacked.split(sizes), strict=True):
+        loader = layer.weight.weight_loader
+        layer.weight = nn.Parameter(rows, requires_grad=False)
+        layer.weight.weight_loader = loader
+    return stacked, sizes
+

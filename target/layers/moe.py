@@ -15,7 +15,12 @@ from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_ava
 from target.kernels.moe_route import route_topk
 from target.kernels.moe_sorted import sorted_experts
 from target.kernels.moe_triton import PAIR_MAX, pair_experts, pair_experts_available
-from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from target.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    stack_rows,
+)
 from target.weights import WeightSource, copy_into, expect_shape
 
 
@@ -122,14 +127,9 @@ class SparseMoE(nn.Module):
         self.experts = FusedExperts(cfg, tp, dtype)
         self.shared_expert = SharedExpert(h, shared, tp, dtype)
         self.shared_expert_gate = ReplicatedLinear(h, 1, dtype)
-        parts = (self.gate, self.shared_expert.gate_up_proj, self.shared_expert_gate)
-        self.in_sizes = [p.weight.shape[0] for p in parts]
-        self.register_buffer("in_proj", torch.empty(sum(self.in_sizes), h, dtype=dtype),
-                             persistent=False)
-        for layer, rows in zip(parts, self.in_proj.split(self.in_sizes), strict=True):
-            loader = layer.weight.weight_loader
-            layer.weight = nn.Parameter(rows, requires_grad=False)
-            layer.weight.weight_loader = loader
+        in_proj, self.in_sizes = stack_rows(
+            [self.gate, self.shared_expert.gate_up_proj, self.shared_expert_gate])
+        self.register_buffer("in_proj", in_proj, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_inputs:

@@ -14,6 +14,7 @@ from target.kernels import fused
 @pytest.mark.parametrize("field,name", [("attention", "attention_backend"),
                                         ("moe", "moe_backend"), ("moe_inputs", "moe_inputs"),
                                         ("moe_routing", "moe_routing"),
+                                        ("attention_inputs", "attention_inputs"),
                                         ("gdn_rounds", "gdn_rounds")])
 def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
     with pytest.raises(ValueError, match=name):
@@ -52,6 +53,7 @@ def choices(target, draft) -> dict[str, set]:
     moes = layers(target, SparseMoE)
     return {
         "round_attention": {m.round_attention for m in layers(target, GatedAttention)},
+        "attention_inputs": {m.fused_inputs for m in layers(target, GatedAttention)},
         "batched_rounds": {m.batched_rounds for m in layers(target, GatedDeltaNet)},
         "fused_inputs": {m.fused_inputs for m in moes},
         "routing": {m.routing for m in moes},
@@ -67,12 +69,14 @@ def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
 
     target = load_target(str(tiny_demo[0]))
     draft = DFlashDraftModel.from_pretrained(str(tiny_demo[1]))
-    kernels = KernelConfig(moe=moe, moe_inputs=MOE_INPUTS[-1], gdn_rounds=GDN_ROUNDS[-1])
+    kernels = KernelConfig(moe=moe, moe_inputs=MOE_INPUTS[-1], gdn_rounds=GDN_ROUNDS[-1],
+                           attention_inputs="fused")
     try:
         target.set_kernels(kernels, graphs=True)
         draft.set_kernels(kernels)
         assert choices(target, draft) == {
-            "round_attention": {"gathered"}, "batched_rounds": {False}, "fused_inputs": {True},
+            "round_attention": {"gathered"}, "attention_inputs": {True},
+            "batched_rounds": {False}, "fused_inputs": {True},
             "routing": {"torch"}, "experts": {moe}, "block_attention": {"gathered"}}
     finally:
         fused.enable(False)

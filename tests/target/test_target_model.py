@@ -98,17 +98,19 @@ def test_bf16_checkpoint_loads_and_runs(tiny_models):
     assert out.shape == (5, h.model.config.vocab_size) and torch.isfinite(out).all()
 
 
-def test_moe_inputs_fused_match_transformers_too(tiny_models, hf):
-    """SparseMoE's router, shared gate/up and shared gate as one GEMM (KernelConfig.moe_inputs
-    "fused", bench/engine.py --moe-inputs fused) agree with transformers like the default three
-    do; set_kernels reaches every layer."""
+def test_fused_input_gemms_match_transformers_too(tiny_models, hf):
+    """SparseMoE's router, shared gate/up and shared gate as one GEMM, and attention's q, k, v
+    as one (KernelConfig moe_inputs / attention_inputs "fused") agree with transformers like
+    the separate GEMMs do; set_kernels reaches every layer."""
     from configs.kernels import KernelConfig
+    from target.layers.attention import GatedAttention
     from target.layers.moe import SparseMoE
 
     h = TargetHarness(tiny_models / "target")
-    h.model.set_kernels(KernelConfig(moe_inputs="fused"), graphs=False)
-    moes = [m for m in h.model.modules() if isinstance(m, SparseMoE)]
-    assert moes and all(m.fused_inputs for m in moes)
+    h.model.set_kernels(KernelConfig(moe_inputs="fused", attention_inputs="fused"),
+                        graphs=False)
+    fused = [m for m in h.model.modules() if isinstance(m, SparseMoE | GatedAttention)]
+    assert len(fused) > 8 and all(m.fused_inputs for m in fused)
     prompt = torch.randint(0, 300, (17,), generator=torch.Generator().manual_seed(3)).tolist()
     (mine,) = h.logits([h.seq(0, prompt, 0, h.pages(64), 0)], verify=False)
     torch.testing.assert_close(mine, hf_logits(hf, prompt), atol=ATOL, rtol=0)
