@@ -15,6 +15,7 @@ from torch import nn
 from configs.kernels import (
     ATTENTION_BACKENDS,
     ATTENTION_INPUTS,
+    GDN_RECURRENCE,
     GDN_ROUNDS,
     MOE_BACKENDS,
     MOE_INPUTS,
@@ -99,6 +100,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-routing", choices=MOE_ROUTING, default="torch",
                    help="the router's softmax/top-k: compiled torch or one Triton kernel")
     p.add_argument("--gdn-rounds", choices=GDN_ROUNDS, default="batched")
+    p.add_argument("--gdn-recurrence", choices=GDN_RECURRENCE, default="fla",
+                   help="rounds' recurrence on gathered states (fla) or in place by slot")
     p.add_argument("--no-fuse", action="store_true",
                    help="leave the elementwise chains uncompiled (target/kernels/fused.py; the "
                         "engine compiles them whenever it captures CUDA graphs)")
@@ -112,6 +115,7 @@ def kernel_config(args: argparse.Namespace, variant: str = "") -> KernelConfig:
     kernels = KernelConfig(attention=args.attention, moe=args.moe, moe_inputs=args.moe_inputs,
                            moe_routing=args.moe_routing, gdn_rounds=args.gdn_rounds,
                            attention_inputs=args.attention_inputs,
+                           gdn_recurrence=args.gdn_recurrence,
                            compile_elementwise=False if args.no_fuse else None)
     changes = dict(item.split("=", 1) for item in variant.split(",") if item)
     unknown = set(changes) - {f.name for f in dataclasses.fields(KernelConfig)}

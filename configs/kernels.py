@@ -37,6 +37,11 @@ ATTENTION_INPUTS = ("separate", "fused")
 # torch.topk's kernels beside it) or "triton" (target/kernels/moe_route.py: one kernel; not
 # yet measured on a GPU).
 MOE_ROUTING = ("torch", "triton")
+# The Gated DeltaNet recurrence of batched rounds and their commit: "fla" (fla's kernel on
+# the states gathered out of the cache, scattered back; the torch reference off CUDA) or
+# "slots" (target/kernels/gdn_slots.py: the states read and written in place by slot; not yet
+# measured on a GPU).
+GDN_RECURRENCE = ("fla", "slots")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -47,6 +52,15 @@ def _check(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
+def _check_triton(what: str, module, device: torch.device | str) -> None:
+    """A Triton kernel module's kernels run on `device`: Triton imports, and the device is
+    CUDA or the interpreter is on."""
+    device = torch.device(device)
+    if module.triton is None or (device.type != "cuda" and not module._interpreted()):
+        raise ValueError(f"{what} needs Triton and a CUDA device (or TRITON_INTERPRET=1), "
+                         f"not {device}")
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     attention: str = "auto"  # ATTENTION_BACKENDS
@@ -55,6 +69,7 @@ class KernelConfig:
     moe_routing: str = "torch"  # MOE_ROUTING
     attention_inputs: str = "separate"  # ATTENTION_INPUTS
     gdn_rounds: str = "batched"  # GDN_ROUNDS
+    gdn_recurrence: str = "fla"  # GDN_RECURRENCE
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
     # functions are shared by every model in the process.
@@ -67,6 +82,7 @@ class KernelConfig:
         _check("moe_routing", self.moe_routing, MOE_ROUTING)
         _check("attention_inputs", self.attention_inputs, ATTENTION_INPUTS)
         _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
+        _check("gdn_recurrence", self.gdn_recurrence, GDN_RECURRENCE)
 
     def attention_kernel(self, device: torch.device | str) -> str:
         """The resolved attention on this device: "triton" or "torch". "auto" takes triton on
@@ -88,12 +104,17 @@ class KernelConfig:
         TRITON_INTERPRET=1)."""
         from target.kernels import moe_route
 
-        device = torch.device(device)
-        if self.moe_routing == "triton" and (moe_route.triton is None or (
-                device.type != "cuda" and not moe_route._interpreted())):
-            raise ValueError(f"moe_routing 'triton' needs Triton and a CUDA device (or "
-                             f"TRITON_INTERPRET=1), not {device}")
+        if self.moe_routing == "triton":
+            _check_triton("moe_routing 'triton'", moe_route, device)
         return self.moe_routing
+
+    def recurrence_kernel(self, device: torch.device | str) -> str:
+        """gdn_recurrence, checked against the device as routing_kernel is."""
+        from target.kernels import gdn_slots
+
+        if self.gdn_recurrence == "slots":
+            _check_triton("gdn_recurrence 'slots'", gdn_slots, device)
+        return self.gdn_recurrence
 
     def round_attention(self, device: torch.device | str, graphs: bool) -> str:
         """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";

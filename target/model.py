@@ -73,11 +73,13 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         device = self.lm_head.weight.device
         set_round_attention(self, kernels.round_attention(device, graphs))
         routing = kernels.routing_kernel(device)
+        recurrence = kernels.recurrence_kernel(device)
         for m in self.modules():
             if isinstance(m, GatedAttention):
                 m.fused_inputs = kernels.attention_inputs == "fused"
             elif isinstance(m, GatedDeltaNet):
                 m.batched_rounds = kernels.gdn_rounds == "batched"
+                m.recurrence = recurrence
             elif isinstance(m, SparseMoE):
                 m.fused_inputs = kernels.moe_inputs == "fused"
                 m.routing = routing

@@ -87,11 +87,12 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: to
 
 @fusable
 def gdn_split_heads(conv_out: torch.Tensor, key_dim: int, num_k_heads: int, head_k_dim: int,
-                    num_v_heads: int, head_v_dim: int, qk_dtype: torch.dtype = torch.float32
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    num_v_heads: int, head_v_dim: int, qk_dtype: torch.dtype = torch.float32,
+                    expand: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """conv_out [..., 2·key_dim + value_dim] → q, k [..., Hv, Dk] (normalised in fp32, q
-    scaled by Dk^−½, key heads repeated to the value heads; returned in qk_dtype: what the
-    recurrence kernel takes), v [..., Hv, Dv]."""
+    scaled by Dk^−½, key heads repeated to the value heads; with expand False left at the
+    key heads [..., Hk, Dk]; returned in qk_dtype: what the recurrence kernel takes), v
+    [..., Hv, Dv]."""
     q, k, v = torch.split(conv_out, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
     lead = conv_out.shape[:-1]
     q = q.reshape(*lead, num_k_heads, head_k_dim).float()
@@ -101,6 +102,8 @@ def gdn_split_heads(conv_out: torch.Tensor, key_dim: int, num_k_heads: int, head
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     ratio = num_v_heads // num_k_heads  # value head j reads key head j // ratio
     q, k = q.to(qk_dtype), k.to(qk_dtype)
+    if not expand:
+        return q, k, v
     return q.repeat_interleave(ratio, -2), k.repeat_interleave(ratio, -2), v
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
-from target.kernels import fused, gdn
+from target.kernels import fused, gdn, gdn_slots
 from target.layers.linear import ColumnParallelLinear, RowParallelLinear, load_sharded_1d
 from target.layers.norm import GatedRMSNorm
 from target.weights import WeightSource, copy_into, expect_shape
@@ -38,7 +38,7 @@ class GDNBlockJournal:
 
     slots: torch.Tensor  # [S] long, state slots
     conv_seq: torch.Tensor  # [S, C, K-1+L]: the committed conv state, then the block's inputs
-    k: torch.Tensor  # [S, L, H, Dk]
+    k: torch.Tensor  # [S, L, H, Dk] (at the key heads [S, L, Hk, Dk] for the slots kernel)
     v: torch.Tensor  # [S, L, H, Dv]
     g: torch.Tensor  # [S, L, H] fp32
     beta: torch.Tensor  # [S, L, H] (as above)
@@ -56,6 +56,10 @@ class GatedDeltaNet(nn.Module):
         # (KernelConfig.gdn_rounds "per-seq") takes the per-sequence path, which mixed batches
         # always take (tests compare the two).
         self.batched_rounds = True
+        # The batched rounds' recurrence (KernelConfig.gdn_recurrence): "fla" on gathered
+        # states (the torch reference off CUDA), or "slots" (target/kernels/gdn_slots.py: the
+        # states read and written in place by slot).
+        self.recurrence = "fla"
         self.layer_idx = layer_idx
         self.tp = tp
         self.num_k_heads = tp.shard(cfg.linear_num_key_heads, "linear_num_key_heads")
@@ -138,22 +142,30 @@ class GatedDeltaNet(nn.Module):
         slots = batch.state_slots_t
         x = mixed_qkv.view(n_seqs, width, -1)  # [S, L, C]
         conv_out, conv_seq = gdn.causal_conv_batched(x, conv_cache[slots], weight)
-        q, k, v = self._split_heads(conv_out)  # [S, L, H, D]
+        in_place = self.recurrence == "slots"
+        # [S, L, H, D]; at the key heads for the slots kernel (it maps value heads to them)
+        q, k, v = self._split_heads(conv_out, expand=not in_place)
         g, beta = g.view(n_seqs, width, -1), beta.view(n_seqs, width, -1)
-        o, final = gdn.gated_delta_rule_batched(q, k, v, g, beta, ssm_cache[slots])
+        if in_place:  # decode writes its final states in place, a verify only reads them
+            o = gdn_slots.recurrent_slots(q, k, v, g, beta, ssm_cache, slots,
+                                          write_state=width == 1)
+        else:
+            o, final = gdn.gated_delta_rule_batched(q, k, v, g, beta, ssm_cache[slots])
         if width == 1:  # autoregressive decode: its one token is always kept, commit in place
             conv_cache[slots] = conv_seq[:, :, 1:].to(conv_cache.dtype)
-            ssm_cache[slots] = final.to(ssm_cache.dtype)
+            if not in_place:
+                ssm_cache[slots] = final.to(ssm_cache.dtype)
         else:
             journal.append(GDNBlockJournal(slots, conv_seq, k, v, g, beta))
         return o.reshape(n_seqs * width, *o.shape[2:])
 
-    def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _split_heads(self, conv_out: torch.Tensor, expand: bool = True
+                     ) -> tuple[torch.Tensor, ...]:
         # conv_out [..., C] → q, k [..., Hv, Dk] (normalised, q scaled, key heads expanded to
-        # the value heads), v [..., Hv, Dv]
+        # the value heads unless not `expand`), v [..., Hv, Dv]
         return fused.gdn_split_heads(conv_out, self.local_segments[0], self.num_k_heads,
                                      self.head_k_dim, self.num_v_heads, self.head_v_dim,
-                                     gdn.recurrence_dtype(conv_out))
+                                     gdn.recurrence_dtype(conv_out), expand)
 
     def commit(self, batch: ForwardBatch, caches: TargetCaches, num_kept: list[int]) -> None:
         """Advance each verify sequence's committed state over the first num_kept tokens."""
@@ -162,7 +174,8 @@ class GatedDeltaNet(nn.Module):
         if not entries:  # nothing held back (a one-token round committed in its forward)
             return
         if isinstance(entries[0], GDNBlockJournal):
-            self._commit_round(entries[0], conv_cache, ssm_cache, num_kept)
+            self._commit_round(entries[0], conv_cache, ssm_cache, num_kept,
+                               self.recurrence == "slots")
             return
         entries = iter(entries)
         kept = iter(num_kept)
@@ -179,17 +192,23 @@ class GatedDeltaNet(nn.Module):
                                                ssm_cache[slot])
 
     @staticmethod
-    def _commit_round(e: GDNBlockJournal, conv_cache, ssm_cache, num_kept: list[int]) -> None:
+    def _commit_round(e: GDNBlockJournal, conv_cache, ssm_cache, num_kept: list[int],
+                      in_place: bool) -> None:
         """Batched commit: sequence i keeps its first n_i block tokens. The replay runs all L
-        steps for everyone with g = β = 0 past n_i, which leaves a state exactly unchanged; the
-        conv state is the K−1 inputs ending at n_i: conv_seq[:, :, n_i : n_i + K−1]."""
+        steps for everyone with g = β = 0 past n_i, which leaves a state exactly unchanged (the
+        slots kernel, `in_place`, stops at n_i instead and writes the states where they are);
+        the conv state is the K−1 inputs ending at n_i: conv_seq[:, :, n_i : n_i + K−1]."""
         n_seqs, width = e.g.shape[:2]
         n = torch.as_tensor(num_kept, device=e.g.device)  # [S]; a device tensor stays put
-        keep = torch.arange(width, device=e.g.device)[None, :] < n[:, None]  # [S, L]
-        g = e.g.masked_fill(~keep[..., None], 0.0)
-        beta = e.beta.masked_fill(~keep[..., None], 0.0)
-        _, state = gdn.gated_delta_rule_batched(e.k, e.k, e.v, g, beta, ssm_cache[e.slots])
-        ssm_cache[e.slots] = state.to(ssm_cache.dtype)
+        if in_place:
+            gdn_slots.recurrent_slots(e.k, e.k, e.v, e.g, e.beta, ssm_cache, e.slots,
+                                      num_kept=n, write_state=True, need_output=False)
+        else:
+            keep = torch.arange(width, device=e.g.device)[None, :] < n[:, None]  # [S, L]
+            g = e.g.masked_fill(~keep[..., None], 0.0)
+            beta = e.beta.masked_fill(~keep[..., None], 0.0)
+            _, state = gdn.gated_delta_rule_batched(e.k, e.k, e.v, g, beta, ssm_cache[e.slots])
+            ssm_cache[e.slots] = state.to(ssm_cache.dtype)
         k_1 = conv_cache.shape[-1]
         cols = n[:, None] + torch.arange(k_1, device=n.device)[None, :]  # [S, K-1]
         idx = cols[:, None, :].expand(n_seqs, e.conv_seq.shape[1], k_1)

@@ -14,11 +14,13 @@ from configs.kernels import KernelConfig
 from target.layers.gdn import GatedDeltaNet
 
 
-def run(harness: TargetHarness, batched: bool, kept: list[int], L: int):
-    harness.model.set_kernels(KernelConfig(gdn_rounds="batched" if batched else "per-seq"),
-                              graphs=False)
+def run(harness: TargetHarness, kernels: KernelConfig, kept: list[int], L: int):
+    """Three sequences prefilled, then two rounds of L tokens keeping `kept`: the rounds'
+    logits and the final conv / recurrent states, with the model's kernels set to `kernels`
+    (tests/target/test_gdn_slots.py runs it with the slots recurrence too)."""
+    harness.model.set_kernels(kernels, graphs=False)
     assert {m.batched_rounds for m in harness.model.modules()
-            if isinstance(m, GatedDeltaNet)} == {batched}
+            if isinstance(m, GatedDeltaNet)} == {kernels.gdn_rounds == "batched"}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 11, 7)]
     tables = [harness.pages(64) for _ in prompts]
@@ -42,13 +44,18 @@ def run(harness: TargetHarness, batched: bool, kept: list[int], L: int):
 @pytest.mark.parametrize("L", [1, 5])
 def test_batched_round_equals_per_sequence(tiny_models, L):
     for kept in ([1, 3, 5], [5, 1, 2], [2, 2, 2]) if L > 1 else ([1, 1, 1],):
-        got = run(TargetHarness(tiny_models / "target"), True, kept, L)
-        want = run(TargetHarness(tiny_models / "target"), False, kept, L)
-        for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        for (conv_a, ssm_a), (conv_b, ssm_b) in zip(got[2], want[2], strict=True):
-            torch.testing.assert_close(conv_a, conv_b, atol=1e-6, rtol=1e-6)
-            torch.testing.assert_close(ssm_a, ssm_b, atol=1e-5, rtol=1e-5)
+        got = run(TargetHarness(tiny_models / "target"), KernelConfig(), kept, L)
+        want = run(TargetHarness(tiny_models / "target"), KernelConfig(gdn_rounds="per-seq"),
+                   kept, L)
+        assert_runs_close(got, want)
+
+
+def assert_runs_close(got, want) -> None:
+    for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for (conv_a, ssm_a), (conv_b, ssm_b) in zip(got[2], want[2], strict=True):
+        torch.testing.assert_close(conv_a, conv_b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ssm_a, ssm_b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,189 @@
+"""The Gated DeltaNet recurrence of a uniform round (decode: L = 1; a speculative verify: L
+tokens for each of S sequences; the commit's replay of the kept tokens) reading and writing the
+recurrent states in place, by slot, in the state cache.
+
+Without it a round gathers each sequence's state out of the cache (`ssm_cache[slots]`, fp32
+[Hv, Dk, Dv]: 2 MB per sequence per layer on Qwen3.5-35B-A3B), runs fla's fused_recurrent
+kernel on the copy and scatters the final state back (decode); the commit after a verify
+gathers again, replays the kept tokens with g = β = 0 past each kept count and scatters back.
+In a profile of a decode step on an H200 the round's gathers and scatters of the states were
+~4 index kernels per GDN layer per step, ~0.5 ms of a 6 ms step over the 30 GDN layers. This
+kernel reads state_cache[slots[s]] itself and, where asked, writes the final state back to
+the same place: the recurrent state's gathers and scatters go; the conv state's (C·(K−1)
+values per sequence) stay with the caller. Untested on a GPU until measured there: only its
+runs in Triton's interpreter have been checked, so neither its speed nor its compilation is.
+
+  Grid (S·Hv, cdiv(Dv, BLOCK_V)): a program owns one sequence's value head and BLOCK_V of its
+  value columns, keeps that [Dk, BLOCK_V] fp32 tile of the state in registers over the L
+  tokens and per token, in fp32 and in the order of gdn_torch.recurrent_gated_delta_rule:
+      S = e^g·S;  kv = Sᵀk;  δ = (v − kv)·β;  S = S + k ⊗ δ;  o = Sᵀq.
+  Value columns never mix, so the tiles are independent. Value head j reads key head
+  j // (Hv / Hk) (grouped value attention): q and k come at the key heads, unexpanded.
+
+Three call sites, three compiled variants (the flags are constexpr, fixed per call site):
+  decode   write_state=True                       the one token is always kept
+  verify   write_state=False                      the cache is only read; commit follows
+  commit   num_kept=n, write_state=True, need_output=False
+           the first n_s tokens only: the loop stops at n_s (the reference's g = β = 0 past
+           n_s leaves the state exactly as it is; stopping there leaves it untouched).
+
+The launch shape is one per model (BLOCK_V, NUM_WARPS; Dv alone picks the tile), never per
+step, and programs share nothing: a sequence's result is the same bits alone or in a batch,
+whatever the other sequences are. No host sync and nothing read back, so a round captures in
+a CUDA graph with its slots and kept counts in device tensors.
+
+Triton is optional, as in moe_triton.py: without it `recurrent_slots_available` is False and
+CPU callers take `recurrent_slots_reference` (plain torch, same signature and meaning). On CPU
+tensors the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1 set before triton is
+first imported; moe_triton.py says why)."""
+
+from __future__ import annotations
+
+import torch
+
+from target.kernels import gdn_torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+# Not tuned. Dk = Dv = 128 on the real model: a [128, 32] fp32 tile is 32 registers per thread
+# at 4 warps, and S·Hv·4 = 128·S programs (decode at batch 1 about fills an H200's 132 SMs).
+BLOCK_V, NUM_WARPS = 32, 4
+
+
+def recurrent_slots_available(x: torch.Tensor) -> bool:
+    """Triton is importable and x is on CUDA."""
+    return triton is not None and x.is_cuda
+
+
+def recurrent_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, state_cache: torch.Tensor, slots: torch.Tensor, *,
+                    num_kept: torch.Tensor | None = None, write_state: bool = False,
+                    need_output: bool = True) -> torch.Tensor | None:
+    """q, k [S, L, Hk, Dk] (L2-normalised, q scaled; any float dtype); v [S, L, Hv, Dv];
+    g [S, L, Hv] fp32; beta [S, L, Hv]; state_cache [N, Hv, Dk, Dv] fp32; slots [S] integer,
+    distinct (not checked: that would read them back); num_kept [S] integer or None (all L).
+    Sequence s starts from state_cache[slots[s]]; tokens t ≥ num_kept[s] leave its state as
+    it is. write_state: the final states go back to their slots in place. Returns o
+    [S, L, Hv, Dv] in v's dtype, or None when not need_output. Any strides."""
+    if triton is None:
+        raise RuntimeError("recurrent_slots needs triton")
+    n_seqs, length, k_heads, dk = q.shape
+    v_heads, dv = v.shape[2:]
+    assert k.shape == q.shape and v.shape[:2] == (n_seqs, length), (q.shape, k.shape, v.shape)
+    assert g.shape == beta.shape == (n_seqs, length, v_heads), (g.shape, beta.shape)
+    assert state_cache.shape[1:] == (v_heads, dk, dv), state_cache.shape
+    assert state_cache.dtype == torch.float32, state_cache.dtype
+    assert slots.shape == (n_seqs,), slots.shape
+    assert num_kept is None or num_kept.shape == (n_seqs,), num_kept.shape
+    assert v_heads % k_heads == 0, (k_heads, v_heads)
+    assert dk & (dk - 1) == 0, f"Dk = {dk} must be a power of two (one tile of the state rows)"
+    o = (torch.empty(n_seqs, length, v_heads, dv, dtype=v.dtype, device=v.device)
+         if need_output else None)
+    if n_seqs == 0 or length == 0:
+        return o
+    if not v.is_cuda and not _interpreted():
+        raise RuntimeError("recurrent_slots on CPU tensors runs in Triton's interpreter only: "
+                           "set TRITON_INTERPRET=1 before anything imports triton")
+    block_v = min(BLOCK_V, triton.next_power_of_2(dv))  # of the model alone
+    slots = slots.contiguous()  # read as slots_ptr + s
+    kept = slots if num_kept is None else num_kept.contiguous()  # (unread without num_kept)
+    out, out_strides = (o, o.stride()) if need_output else (v, (0, 0, 0, 0))  # (unwritten)
+    _recurrent_slots_kernel[(n_seqs * v_heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, state_cache, slots, kept, out, length, v_heads, v_heads // k_heads, dv,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+        *state_cache.stride(), *out_strides,
+        DK=dk, BLOCK_V=block_v, HAS_KEPT=num_kept is not None, WRITE_STATE=write_state,
+        NEED_OUTPUT=need_output, num_warps=NUM_WARPS)
+    return o
+
+
+def recurrent_slots_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              g: torch.Tensor, beta: torch.Tensor, state_cache: torch.Tensor,
+                              slots: torch.Tensor, *, num_kept: torch.Tensor | None = None,
+                              write_state: bool = False,
+                              need_output: bool = True) -> torch.Tensor | None:
+    """recurrent_slots in plain torch (gdn_torch's recurrence on gathered states): the tests'
+    reference and CPU callers' path. Past num_kept g = β = 0, which leaves a state unchanged
+    (a state element of −0.0 may come back +0.0; the kernel leaves it as it is)."""
+    length = q.shape[1]
+    group = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)  # [S, L, Hv, Dk]
+    if num_kept is not None:
+        keep = torch.arange(length, device=g.device)[None, :] < num_kept[:, None]  # [S, L]
+        g = g.masked_fill(~keep[..., None], 0.0)
+        beta = beta.masked_fill(~keep[..., None], 0.0)
+    o, final = gdn_torch.recurrent_gated_delta_rule(q, k, v, g, beta, state_cache[slots])
+    if write_state:
+        state_cache[slots] = final.to(state_cache.dtype)
+    return o.to(v.dtype) if need_output else None
+
+
+def _interpreted() -> bool:
+    return triton is not None and not isinstance(_recurrent_slots_kernel,
+                                                 triton.runtime.JITFunction)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _emit(s, q_at, o_at, col_ok):
+        # o = Sᵀq for one token: s [DK, BLOCK_V]; q_at [DK] and o_at [BLOCK_V] pointers.
+        q = tl.load(q_at).to(tl.float32)
+        o = tl.sum(s * q[:, None], axis=0)  # [BLOCK_V]
+        tl.store(o_at, o.to(o_at.dtype.element_ty), mask=col_ok)
+
+    @triton.jit
+    def _recurrent_slots_kernel(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, kept_ptr, o_ptr,
+            length, v_heads, group, dv,
+            stride_qs, stride_qt, stride_qh, stride_qd,
+            stride_ks, stride_kt, stride_kh, stride_kd,
+            stride_vs, stride_vt, stride_vh, stride_vd,
+            stride_gs, stride_gt, stride_gh,
+            stride_bs, stride_bt, stride_bh,
+            stride_cn, stride_ch, stride_ck, stride_cv,
+            stride_os, stride_ot, stride_oh, stride_od,
+            DK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_KEPT: tl.constexpr,
+            WRITE_STATE: tl.constexpr, NEED_OUTPUT: tl.constexpr):
+        pid = tl.program_id(0)
+        seq = (pid // v_heads).to(tl.int64)
+        head = pid % v_heads
+        k_head = head // group
+        rows = tl.arange(0, DK)  # [DK] key dims: Dk is a power of two, no mask
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] value dims
+        col_ok = cols < dv
+        # int64: slot · stride_cn passes 2^31 elements past 1024 slots on the real model.
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        tile = (state_ptr + slot * stride_cn + head * stride_ch + rows[:, None] * stride_ck
+                + cols[None, :] * stride_cv)  # [DK, BLOCK_V]
+        s = tl.load(tile, mask=col_ok[None, :], other=0.0)  # fp32; masked columns stay 0
+        n = length
+        if HAS_KEPT:  # the kept tokens come first; clamp to [0, L]
+            n = tl.minimum(tl.maximum(tl.load(kept_ptr + seq).to(tl.int32), 0), length)
+        q_row = q_ptr + seq * stride_qs + k_head * stride_qh + rows * stride_qd
+        k_row = k_ptr + seq * stride_ks + k_head * stride_kh + rows * stride_kd
+        v_row = v_ptr + seq * stride_vs + head * stride_vh + cols * stride_vd
+        g_at = g_ptr + seq * stride_gs + head * stride_gh
+        b_at = beta_ptr + seq * stride_bs + head * stride_bh
+        o_row = o_ptr + seq * stride_os + head * stride_oh + cols * stride_od
+        for t in range(0, n):
+            kt = tl.load(k_row + t * stride_kt).to(tl.float32)  # [DK]
+            vt = tl.load(v_row + t * stride_vt, mask=col_ok, other=0.0).to(tl.float32)
+            gt = tl.load(g_at + t * stride_gt).to(tl.float32)
+            bt = tl.load(b_at + t * stride_bt).to(tl.float32)
+            s = s * tl.exp(gt)
+            kv = tl.sum(s * kt[:, None], axis=0)  # [BLOCK_V] Sᵀk
+            delta = (vt - kv) * bt
+            s = s + kt[:, None] * delta[None, :]
+            if NEED_OUTPUT:
+                _emit(s, q_row + t * stride_qt, o_row + t * stride_ot, col_ok)
+        if NEED_OUTPUT:
+            if HAS_KEPT:  # past the kept tokens the state stands still: o = Sᵀq only
+                for t in range(n, length):
+                    _emit(s, q_row + t * stride_qt, o_row + t * stride_ot, col_ok)
+        if WRITE_STATE:
+            tl.store(tile, s, mask=col_ok[None, :])
