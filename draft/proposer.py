@@ -18,7 +18,7 @@ from workers.cuda_graphs import (
     num_scratch_pages,
     page_bucket,
 )
-from workers.messages import ContextWrite, ProposeRequest
+from workers.messages import ContextWrite, ProposeRequest, table_tensor
 
 
 class DraftRunner:
@@ -64,13 +64,12 @@ class DraftRunner:
         """aux [N, n_aux·H] of committed tokens, `counts[i]` of them for sequence i, in order."""
         # Tensor ops on the host copy of the positions, not per-token Python (prefill chunks).
         pos = write.positions.cpu().long()  # [N]
-        block_tables, counts = write.block_tables, write.counts
-        width = max(len(t) for t in block_tables)
-        tables = torch.zeros(len(block_tables), width, dtype=torch.long)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        if len(pos) == 0:
+            return
+        counts, page = write.counts, self.page_size
+        # only the pages the written positions fall in
+        tables = table_tensor(write.block_tables, int(pos.max()) // page + 1, torch.long)
         seq_of = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-        page = self.page_size
         slots = tables[seq_of, pos // page] * page + pos % page
         aux = write.aux.to(self.device)
         rows = next((r for r in self.write_rows if r >= len(pos)), None)
@@ -112,10 +111,7 @@ class DraftRunner:
         # Only the pages holding context and the block: their count bounds the attention's
         # gather width (and holds the block's slots where the triton path writes its K/V).
         width = -(-(max(context_lens) + self.block_size) // self.page_size)
-        tables = torch.zeros(len(anchors), width, dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            t = t[:width]
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        tables = table_tensor(block_tables, width)
         anchors_t = torch.tensor(anchors, dtype=torch.long)
         lens_t = torch.tensor(context_lens, dtype=torch.long)
         padded = bucket_for(len(anchors), self.graph_max_seqs) if self.graph_max_seqs else None

@@ -97,7 +97,22 @@ class ProposeRequest:
 
     anchors: list[int]  # [S]
     context_lens: list[int]  # [S] committed tokens (the anchor's position)
-    block_tables: list[list[int]]  # [S][pages]
+    # [S][pages]: lists, or int32 tensors (the stepper's per-sequence copies)
+    block_tables: list[list[int]] | list[torch.Tensor]
+
+
+def table_tensor(tables: list[list[int]] | list[torch.Tensor], width: int | None = None,
+                 dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """[S, width] CPU tensor of the tables' first `width` pages (default: the longest table's
+    count), zero past each table's end. Tables given as tensors are sliced, not converted:
+    the stepper keeps one per sequence, so a long context's thousands of page ids are not
+    turned into a tensor again at every step."""
+    rows = [t[:width] if isinstance(t, torch.Tensor)
+            else torch.tensor(t[:width], dtype=torch.int32) for t in tables]
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    if width is not None and out.shape[1] < width:
+        out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
+    return out.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -107,5 +122,5 @@ class ContextWrite:
 
     aux: torch.Tensor  # [N, n_aux·H]
     positions: torch.Tensor  # [N] int64
-    block_tables: list[list[int]]  # [S][pages]
+    block_tables: list[list[int]] | list[torch.Tensor]  # [S][pages], as ProposeRequest's
     counts: list[int]  # [S], sum N

@@ -15,6 +15,7 @@ from workers import sampling
 from workers.cache import reset_state_slot
 from workers.cuda_graphs import RoundGraphs
 from workers.logprobs import TokenLogprob, rows_logprobs, split_rows, token_logprobs
+from workers.messages import table_tensor
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class SeqInput:
     # PREFILL with prompt logprobs: the prompt tokens this chunk's rows predict,
     # prompt[start_pos + 1 : start_pos + n + 1] (the last chunk's last row samples instead).
     prompt_targets: list[int] | None = None
+    # block_table as an int32 tensor where the caller keeps one (workers/stepper.py SeqTable)
+    block_table_t: torch.Tensor | None = None
 
 
 @dataclass
@@ -88,10 +91,8 @@ class ModelRunner:
         # Built with CPU tensor ops, not per-token Python (a prefill step holds thousands of
         # tokens); copied to the device once per tensor.
         page = self.block_size
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        tables = table_tensor([s.block_table if s.block_table_t is None else s.block_table_t
+                               for s in seqs])
         lens = torch.tensor([len(s.token_ids) for s in seqs])
         seq_of = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [T]
         first = torch.cumsum(lens, 0) - lens  # [S] index of each sequence's first token
@@ -292,10 +293,10 @@ class ModelRunner:
             # a failed sequence commits its anchor only and reports no tokens
             new_tokens.append([] if i in errors else s.token_ids[1 : n + 1] + [bonus])
             num_accepted.append(n)
-            kept_rows.append(torch.arange(cu[i], cu[i] + n + 1))
+            kept_rows.extend(range(cu[i], cu[i] + n + 1))
         if not committed_early:
             commit([n + 1 for n in num_accepted])
-        rows = torch.cat(kept_rows).to(aux.device)
+        rows = torch.tensor(kept_rows, device=aux.device)
         committed = [n + 1 for n in num_accepted]
         # token j of a sequence's new ones was drawn from its block's row j
         logprobs = self._logprobs(seqs, list(range(len(seqs))),

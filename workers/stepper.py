@@ -37,19 +37,23 @@ class Drafter(Protocol):
 
 
 class SeqTable:
-    """The sequences one process has been sent, by id."""
+    """The sequences one process has been sent, by id, and each one's block table as an int32
+    tensor (made once: a sequence's table is fixed at admission)."""
 
     def __init__(self):
         self.seqs: dict[int, NewSeq] = {}
+        self.table_t: dict[int, torch.Tensor] = {}
 
     def apply(self, msg: StepMsg) -> None:
         for seq in msg.new_seqs:
             self.seqs[seq.seq_id] = seq
+            self.table_t[seq.seq_id] = torch.tensor(seq.block_table, dtype=torch.int32)
         for seq_id in msg.released:
             self.seqs.pop(seq_id, None)
+            self.table_t.pop(seq_id, None)
 
-    def tables(self, msg: StepMsg) -> list[list[int]]:
-        return [self.seqs[i].block_table for i in msg.seq_ids]
+    def tables(self, msg: StepMsg) -> list[torch.Tensor]:
+        return [self.table_t[i] for i in msg.seq_ids]
 
 
 class TargetStepper:
@@ -68,20 +72,22 @@ class TargetStepper:
         wall time."""
         t = time.perf_counter()
         seqs = [self.table.seqs[i] for i in msg.seq_ids]
+        tables = self.table.tables(msg)
         if msg.kind is StepKind.PREFILL:
             out = self.runner.prefill([
                 SeqInput(s.seq_id, s.prompt_ids[start : start + n], start, s.block_table,
                          s.state_slot, s.params, sample=sample,
                          prompt_targets=None if s.params.prompt_logprobs is None
-                         else s.prompt_ids[start + 1 : start + n + 1])
-                for s, start, n, sample in zip(seqs, msg.starts, msg.chunk_lens, msg.samples,
-                                               strict=True)])
+                         else s.prompt_ids[start + 1 : start + n + 1], block_table_t=t)
+                for s, start, n, sample, t in zip(seqs, msg.starts, msg.chunk_lens,
+                                                  msg.samples, tables, strict=True)])
         elif msg.kind is StepKind.ROUND:
             drafts = drafts if drafts is not None else [[]] * len(seqs)
             out = self.runner.verify([
-                SeqInput(s.seq_id, [anchor, *d], start, s.block_table, s.state_slot, s.params)
-                for s, start, anchor, d in zip(seqs, msg.starts, msg.anchors, drafts,
-                                               strict=True)])
+                SeqInput(s.seq_id, [anchor, *d], start, s.block_table, s.state_slot, s.params,
+                         block_table_t=t)
+                for s, start, anchor, d, t in zip(seqs, msg.starts, msg.anchors, drafts,
+                                                  tables, strict=True)])
         else:
             raise ValueError(f"the target runs PREFILL and ROUND steps, not {msg.kind.name}")
         return out, time.perf_counter() - t

@@ -49,7 +49,9 @@ def test_sequences_cross_once_and_steps_carry_only_ids(tiny_demo):
     for m in rec.msgs:
         table.apply(m)
         assert all(i in table.seqs for i in m.seq_ids)  # a step names only known sequences
-    assert table.seqs == {}
+        for i, t in zip(m.seq_ids, table.tables(m), strict=True):  # made once, at admission
+            assert t.dtype == torch.int32 and t.tolist() == table.seqs[i].block_table
+    assert table.seqs == {} and table.table_t == {}
     for m in rec.msgs:  # the full prompt crosses only inside a NewSeq
         if m.kind is StepKind.PREFILL:
             assert sum(m.chunk_lens) <= 8 and all(isinstance(s, NewSeq) for s in m.new_seqs)
@@ -65,3 +67,14 @@ def test_runners_satisfy_the_protocols_the_steppers_drive(tiny_demo):
     runner, drafter = engine.executor.runner, engine.executor.drafter
     assert isinstance(runner, ModelRunner) and isinstance(runner, TargetRunner)
     assert isinstance(drafter, DraftRunner) and isinstance(drafter, Drafter)
+
+
+def test_table_tensor_takes_lists_or_tensors_and_slices_or_pads_to_a_width():
+    from workers.messages import table_tensor
+
+    lists = [[4, 9, 2], [7], [1, 3, 5, 8]]
+    for tables in (lists, [torch.tensor(t, dtype=torch.int32) for t in lists]):
+        assert table_tensor(tables).tolist() == [[4, 9, 2, 0], [7, 0, 0, 0], [1, 3, 5, 8]]
+        assert table_tensor(tables, 2).tolist() == [[4, 9], [7, 0], [1, 3]]
+        wide = table_tensor(tables, 6, torch.long)
+        assert wide.dtype == torch.long and wide.tolist()[1] == [7, 0, 0, 0, 0, 0]
