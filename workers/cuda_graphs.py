@@ -26,6 +26,7 @@ import torch
 from target.batch import ForwardBatch, TargetCaches
 from target.layers.attention import GatedAttention
 from target.model import Qwen3_5MoeForCausalLM
+from workers.messages import table_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -170,17 +171,18 @@ class RoundGraphs:
                 and page_bucket(max(table_width, len(self.scratch_pages)), self.max_pages)
                 is not None and width <= len(self.scratch_pages) * self.page)
 
-    def forward(self, host: dict[str, torch.Tensor], n_seqs: int, width: int
+    def forward(self, seqs: list, width: int
                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch] | None:
-        """host: the CPU tensors of ModelRunner._host_inputs for n_seqs sequences of width.
-        None if this shape could not be captured (the caller runs it eagerly)."""
+        """seqs: ModelRunner's SeqInputs, `width` tokens each. None if this shape could not be
+        captured (the caller runs it eagerly)."""
+        n_seqs = len(seqs)
         padded = bucket_for(n_seqs, self.max_seqs)
-        pages = page_bucket(max(host["block_tables"].shape[1], len(self.scratch_pages)),
-                            self.max_pages)
+        table_width = max(len(s.block_table) for s in seqs)
+        pages = page_bucket(max(table_width, len(self.scratch_pages)), self.max_pages)
         key = (padded, width, pages)
         if key in self.failed:
             return None
-        host = self._pad(host, n_seqs, padded, width, pages)
+        host = self._inputs(seqs, padded, width, pages)
         step = self.steps.get(key)
         if step is None:
             while len(self.steps) >= self.max_graphs:
@@ -209,23 +211,31 @@ class RoundGraphs:
             kept = torch.tensor(num_kept + [0] * (padded - n_seqs), dtype=torch.long)
         step.commit(num_kept=kept)
 
-    def _pad(self, host: dict[str, torch.Tensor], n_seqs: int, padded: int, width: int,
-             pages: int) -> dict[str, torch.Tensor]:
-        extra = padded - n_seqs
+    def _inputs(self, seqs: list, padded: int, width: int, pages: int
+                ) -> dict[str, torch.Tensor]:
+        """The step's CPU inputs padded to the bucket, from Python lists and a few tensor ops
+        whatever the bucket (per-sequence tensor ops cost more than the work here). Padding
+        sequences: W tokens from position 0 in the scratch pages, the scratch state slot."""
+        page, n, extra = self.page, len(seqs), padded - len(seqs)
         tables = torch.zeros(padded, pages, dtype=torch.int32)  # entries past a table: page 0
-        tables[:n_seqs, : host["block_tables"].shape[1]] = host["block_tables"]
-        tables[n_seqs:, : len(self.scratch_pages)] = self.scratch_pages
-        pos = torch.arange(width).repeat(extra)  # dummies: W tokens from position 0
-        dummy_slots = self.scratch_pages[pos // self.page].long() * self.page + pos % self.page
-        no_ids = torch.zeros(extra * width, dtype=torch.long)
+        rows = table_tensor([s.block_table if s.block_table_t is None else s.block_table_t
+                             for s in seqs])
+        tables[:n, : rows.shape[1]] = rows
+        tables[n:, : len(self.scratch_pages)] = self.scratch_pages
+        positions = []
+        for s in seqs:
+            positions += range(s.start_pos, s.start_pos + width)
+        pos = torch.tensor(positions + list(range(width)) * extra)  # [S'·W]
+        seq_of = torch.arange(padded).repeat_interleave(width)  # [S'·W]
         return {
-            "input_ids": torch.cat([host["input_ids"], no_ids]),
-            "positions": torch.cat([host["positions"], pos]),
-            "slot_mapping": torch.cat([host["slot_mapping"], dummy_slots]),
+            "input_ids": torch.tensor([t for s in seqs for t in s.token_ids]
+                                      + [0] * (extra * width)),
+            "positions": pos,
+            "slot_mapping": tables[seq_of, pos // page].long() * page + pos % page,
             "block_tables": tables,
-            "seq_lens": torch.cat([host["seq_lens"], torch.full((extra,), width)]),
-            "state_slots": torch.cat([host["state_slots"],
-                                      torch.full((extra,), self.scratch_slot)]),
+            "seq_lens": torch.tensor([s.start_pos + width for s in seqs] + [width] * extra),
+            "state_slots": torch.tensor([s.state_slot for s in seqs]
+                                        + [self.scratch_slot] * extra),
         }
 
     def _capture(self, padded: int, width: int, host: dict[str, torch.Tensor]) -> _RoundStep:

@@ -107,9 +107,8 @@ class ModelRunner:
             "state_slots": torch.tensor([s.state_slot for s in seqs]),
         }
 
-    def _batch(self, seqs: list[SeqInput], is_verify: bool,
-               host: dict[str, torch.Tensor] | None = None) -> ForwardBatch:
-        host = self._host_inputs(seqs) if host is None else host
+    def _batch(self, seqs: list[SeqInput], is_verify: bool) -> ForwardBatch:
+        host = self._host_inputs(seqs)
         dev = {name: t.to(self.device) for name, t in host.items()}
         return ForwardBatch(
             input_ids=dev["input_ids"], positions=dev["positions"],
@@ -248,18 +247,17 @@ class ModelRunner:
         """Each seq's token_ids = [anchor, d1 … dK]. Accept, then commit anchor + accepted. A
         uniform round replays CUDA graphs where the runner has them (workers/cuda_graphs.py);
         their outputs are padded past the real sequences, which are read by index."""
-        host = self._host_inputs(seqs)
         width = len(seqs[0].token_ids)
         graphs, captured = self.graphs, None
         if graphs is not None and all(len(s.token_ids) == width for s in seqs) and graphs.fits(
-                len(seqs), width, host["block_tables"].shape[1]):
-            captured = graphs.forward(host, len(seqs), width)
+                len(seqs), width, max(len(s.block_table) for s in seqs)):
+            captured = graphs.forward(seqs, width)
         if captured is not None:
             hidden, aux, batch = captured
             logits = self.model.compute_logits(hidden[: sum(len(s.token_ids) for s in seqs)])
             commit = graphs.commit
         else:
-            batch = self._batch(seqs, True, host)
+            batch = self._batch(seqs, True)
             hidden, aux = self.model(batch, self.caches)
             logits = self.model.compute_logits(hidden)  # [T, V]
 
@@ -278,10 +276,10 @@ class ModelRunner:
         decided.update(self._accept_sampled(seqs, batch, logits, errors))
         new_tokens, num_accepted, kept_rows = [], [], []
         for i, s in enumerate(seqs):
-            block_logits = logits[cu[i] : cu[i + 1]]
-            draft = batch.input_ids[cu[i] + 1 : cu[i + 1]]
             n, bonus = decided.get(i, (0, None))
             if i not in decided and i not in errors:
+                block_logits = logits[cu[i] : cu[i + 1]]
+                draft = batch.input_ids[cu[i] + 1 : cu[i + 1]]
                 try:
                     if s.params.greedy:
                         n, bonus = sampling.accept_greedy(draft, block_logits)
@@ -300,7 +298,8 @@ class ModelRunner:
         committed = [n + 1 for n in num_accepted]
         # token j of a sequence's new ones was drawn from its block's row j
         logprobs = self._logprobs(seqs, list(range(len(seqs))),
-                                        [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))],
-                                        new_tokens)
+                                  [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))],
+                                  new_tokens) if any(s.params.logprobs is not None
+                                                     for s in seqs) else {}
         return StepOutput(new_tokens, num_accepted, committed, aux[rows], batch.positions[rows],
                           errors, logprobs)
