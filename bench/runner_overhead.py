@@ -111,9 +111,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    rows = [measure(b, w, args.block_size, n, args.iters, torch.device(args.device))
-            for n in args.contexts for b in args.batch_sizes for w in args.widths]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # host work is one thread's; a second would only add noise
+    try:
+        rows = [measure(b, w, args.block_size, n, args.iters, torch.device(args.device))
+                for n in args.contexts for b in args.batch_sizes for w in args.widths]
+    finally:
+        torch.set_num_threads(threads)
     print("| context | batch | width | verify µs | draft write µs | propose µs |\n"
           "|---|---|---|---|---|---|")
     for r in rows:

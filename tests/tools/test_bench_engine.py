@@ -181,3 +181,13 @@ def test_round_attention_bench_runs_every_form_on_the_same_inputs(tmp_path):
     for r in rows:
         assert "gathered_error" not in r and r["gathered_max_diff"] == 0, r
         assert r["gathered_row_invariant"], r
+
+def test_runner_overhead_bench_times_every_runner_call():
+    """bench/runner_overhead.py: the runners' host work per step, through the graph code path
+    with instant models (a CPU measurement by design)."""
+    from bench import runner_overhead
+
+    rows = runner_overhead.main(["--batch-sizes", "1", "3", "--widths", "1", "4",
+                                 "--contexts", "64", "--iters", "2"])
+    assert [(r["batch"], r["width"]) for r in rows] == [(1, 1), (1, 4), (3, 1), (3, 4)]
+    assert all(r[k] > 0 for r in rows for k in ("verify_us", "write_context_us", "propose_us"))
