@@ -2,7 +2,8 @@
 # The GPU fast path on one GPU host without package access, in parts (default: all), results
 # under $OUT:
 #   tests    every `gpu` test of the engine (kernels against their references, CUDA graphs)
-#   moetests the routed-expert tests alone, and the pair/grouped bf16 consistency at real sizes
+#   moetests the routed-expert and routing tests alone, and the pair / sorted kernels' bf16
+#            consistency at real sizes (alone vs batched; against grouped / pairs)
 #   profile  bench/profile_step.py at batch 1 (CUDA graphs)
 #   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts)
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
@@ -38,10 +39,11 @@ moetests)
     tests/target/test_moe_sorted.py tests/target/test_moe_route.py \
     > "$OUT/gpu_moe_tests.txt" 2>&1
   tail -4 "$OUT/gpu_moe_tests.txt"
-  timeout ${TESTS_TIMEOUT:-240} python3 -c "
+  PYTHONPATH=tests/target:$PYTHONPATH timeout ${TESTS_TIMEOUT:-240} python3 -c "
 import json
-from tests.target.test_moe_triton import consistency
-print(json.dumps({t: consistency('cuda', t, 8, 256, 2048, 512) for t in (1, 16, 40)}))" \
+import test_moe_sorted, test_moe_triton
+print(json.dumps({name: {t: m.consistency('cuda', t, 8, 256, 2048, 512) for t in (1, 16, 40)}
+                  for name, m in (('pairs', test_moe_triton), ('sorted', test_moe_sorted))}))" \
     | tee "$OUT/moe_consistency.json" ;;
 profile)  # batch 1, CUDA graphs
   timeout ${PROFILE_TIMEOUT:-150} python3 -m bench.profile_step --device cuda --batch 1 \

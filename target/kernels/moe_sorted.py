@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from target.kernels import fused
+from target.kernels.moe_triton import expert_sizes
 
 try:
     import triton
@@ -122,21 +123,11 @@ def sorted_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; topk_ids
     (integer) / topk_weights [T, k]. Returns [T, H] in x's dtype. Any strides. The block
     overrides (benchmarks) replace sorted_blocks' choice for each kernel."""
-    if triton is None:
-        raise RuntimeError("sorted_experts needs triton")
-    tokens, hidden = x.shape
-    num_experts, two_inter, _ = gate_up.shape
-    inter, k = two_inter // 2, topk_ids.shape[1]
-    assert gate_up.shape == (num_experts, 2 * inter, hidden), gate_up.shape
-    assert down.shape == (num_experts, hidden, inter), down.shape
-    assert topk_ids.shape == topk_weights.shape == (tokens, k), (topk_ids.shape,
-                                                                  topk_weights.shape)
-    pairs = tokens * k
+    tokens, hidden, inter, k = expert_sizes("sorted_experts", _interpreted(), x, gate_up,
+                                            down, topk_ids, topk_weights)
+    num_experts, pairs = gate_up.shape[0], tokens * k
     if pairs == 0:
         return torch.zeros_like(x)
-    if not x.is_cuda and not _interpreted():
-        raise RuntimeError("sorted_experts on CPU tensors runs in Triton's interpreter only: "
-                           "set TRITON_INTERPRET=1 before anything imports triton")
     gb = gate_up_blocks or sorted_blocks(inter, hidden)
     db = down_blocks or sorted_blocks(hidden, inter)
     sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, BLOCK_M)

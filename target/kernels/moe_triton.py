@@ -81,15 +81,14 @@ def pair_experts_available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                 gate_up_blocks: PairBlocks | None = None,
-                 down_blocks: PairBlocks | None = None) -> torch.Tensor:
-    """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; topk_ids
-    (integer) / topk_weights [T, k]. Returns [T, H] in x's dtype. Any strides. The block
-    overrides (benchmarks) replace pair_blocks' choice for each kernel."""
+def expert_sizes(name: str, interpreted: bool, x: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                 ) -> tuple[int, int, int, int]:
+    """The checks every Triton expert path (`name`) makes of its arguments; (T, H, I, k).
+    Triton must import, the shapes agree, and CPU tensors run only in the interpreter
+    (`interpreted`: that module's kernels are the interpreter's)."""
     if triton is None:
-        raise RuntimeError("pair_experts needs triton")
+        raise RuntimeError(f"{name} needs triton")
     tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter, k = two_inter // 2, topk_ids.shape[1]
@@ -97,12 +96,24 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     assert down.shape == (num_experts, hidden, inter), down.shape
     assert topk_ids.shape == topk_weights.shape == (tokens, k), (topk_ids.shape,
                                                                   topk_weights.shape)
+    if tokens * k and not x.is_cuda and not interpreted:
+        raise RuntimeError(f"{name} on CPU tensors runs in Triton's interpreter only: set "
+                           "TRITON_INTERPRET=1 before anything imports triton")
+    return tokens, hidden, inter, k
+
+
+def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                 gate_up_blocks: PairBlocks | None = None,
+                 down_blocks: PairBlocks | None = None) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; topk_ids
+    (integer) / topk_weights [T, k]. Returns [T, H] in x's dtype. Any strides. The block
+    overrides (benchmarks) replace pair_blocks' choice for each kernel."""
+    tokens, hidden, inter, k = expert_sizes("pair_experts", _interpreted(), x, gate_up, down,
+                                            topk_ids, topk_weights)
     pairs = tokens * k
     if pairs == 0:
         return torch.zeros_like(x)
-    if not x.is_cuda and not _interpreted():
-        raise RuntimeError("pair_experts on CPU tensors runs in Triton's interpreter only: set "
-                           "TRITON_INTERPRET=1 before anything imports triton")
     gb = gate_up_blocks or pair_blocks(hidden)
     db = down_blocks or pair_blocks(inter)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]; pair p = t·k + j

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import triton_child
+from moe_cases import problem, reference, rel_err, strided
 
 triton = pytest.importorskip("triton")
 
@@ -36,34 +37,6 @@ CASES = {
 }
 
 
-def reference(x, gate_up, down, ids, w):
-    """The per-expert loop of FusedExperts.reference, in fp64."""
-    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    for e in ids.unique().tolist():
-        tokens, slots = (ids == e).nonzero(as_tuple=True)
-        gate, up = (x[tokens].double() @ gate_up[e].double().T).chunk(2, dim=-1)
-        y = (torch.nn.functional.silu(gate) * up) @ down[e].double().T
-        out.index_add_(0, tokens, y * w[tokens, slots].double()[:, None])
-    return out
-
-
-def problem(tokens, k, experts, hidden, inter, dtype, device="cpu", seed=0, ids=None):
-    g = torch.Generator(device).manual_seed(seed)
-    kw = dict(generator=g, device=device)
-    gate_up = torch.randn(experts, 2 * inter, hidden, **kw) * hidden**-0.5
-    down = torch.randn(experts, hidden, inter, **kw) * inter**-0.5
-    x = torch.randn(tokens, hidden, **kw)
-    if ids is None:  # distinct experts per token, as top-k gives
-        ids = torch.stack([torch.randperm(experts, **kw)[:k] for _ in range(tokens)])
-    w = torch.rand(tokens, k, **kw)
-    w = w / w.sum(-1, keepdim=True)
-    return [t.to(dtype) for t in (x, gate_up, down)] + [ids.to(device), w.to(dtype)]
-
-
-def rel_err(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
-
-
 def case_error(name: str, dtype: str, device: str) -> float:
     """pair_experts' relative error against the reference on CASES[name]."""
     tokens, k, experts, hidden, inter, ids, extra = CASES[name]
@@ -74,11 +47,8 @@ def case_error(name: str, dtype: str, device: str) -> float:
     kw = {}
     if extra == "blocks":
         kw = dict(gate_up_blocks=PairBlocks(16, 32, 2), down_blocks=PairBlocks(32, 16, 1))
-    elif extra == "strided":  # the same values through non-contiguous views
-        gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
-        down = down.transpose(1, 2).contiguous().transpose(1, 2)
-        x = torch.stack([x, x], dim=-1)[..., 0]  # strides (2H, 2)
-        ids, w = ids.T.contiguous().T, w.T.contiguous().T
+    elif extra == "strided":
+        x, gate_up, down, ids, w = strided(x, gate_up, down, ids, w)
     got = pair_experts(x, gate_up, down, ids, w, **kw)
     assert got.dtype == x.dtype and got.shape == x.shape
     return rel_err(got, want)

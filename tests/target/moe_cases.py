@@ -1,0 +1,46 @@
+"""What the Triton routed-expert tests share (test_moe_triton.py, test_moe_sorted.py): the
+fp64 per-expert reference, a problem's tensors, the relative error, and the same tensors
+through non-contiguous views."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference(x, gate_up, down, ids, w):
+    """The per-expert loop of FusedExperts.reference, in fp64."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for e in ids.unique().tolist():
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        gate, up = (x[tokens].double() @ gate_up[e].double().T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ down[e].double().T
+        out.index_add_(0, tokens, y * w[tokens, slots].double()[:, None])
+    return out
+
+
+def problem(tokens, k, experts, hidden, inter, dtype, device="cpu", seed=0, ids=None):
+    """x, gate_up, down in `dtype`; ids (distinct experts per token, as top-k gives, unless
+    given) and weights summing to 1 per token."""
+    g = torch.Generator(device).manual_seed(seed)
+    kw = dict(generator=g, device=device)
+    gate_up = torch.randn(experts, 2 * inter, hidden, **kw) * hidden**-0.5
+    down = torch.randn(experts, hidden, inter, **kw) * inter**-0.5
+    x = torch.randn(tokens, hidden, **kw)
+    if ids is None:
+        ids = torch.stack([torch.randperm(experts, **kw)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, **kw)
+    w = w / w.sum(-1, keepdim=True)
+    return [t.to(dtype) for t in (x, gate_up, down)] + [ids.to(device), w.to(dtype)]
+
+
+def rel_err(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def strided(x, gate_up, down, ids, w):
+    """The same values through non-contiguous views: H-major weights, x with strides (2H, 2),
+    [k, T]-major routing."""
+    gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
+    down = down.transpose(1, 2).contiguous().transpose(1, 2)
+    x = torch.stack([x, x], dim=-1)[..., 0]
+    return x, gate_up, down, ids.T.contiguous().T, w.T.contiguous().T
