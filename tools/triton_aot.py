@@ -1,0 +1,219 @@
+"""Every Triton kernel of the engine compiled ahead of time for a GPU that need not be here
+(default sm90: the H200), at the launch shapes and dtypes Qwen3.5-35B-A3B gives them, then
+put through ptxas for its register, spill and shared-memory figures. Triton compiles for a
+named target without a device, and ptxas ships with it, so a kernel that would not compile
+on the GPU (a type error, an unsupported op, shared memory past the limit) fails here, on
+any machine, before a GPU run is spent finding out.
+
+    python -m tools.triton_aot [--arch 90] [--out FILE]
+
+Prints one row per kernel variant: shared bytes, registers per thread, spill bytes, compile
+seconds. Exit status 1 if any variant fails to compile or needs more shared memory than
+`--shared-limit` (227 KiB: what an sm90 block may have)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+SHARED_LIMIT = 227 * 1024
+I32 = "i32"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compilation: the kernel (module path, name), the runtime arguments' Triton types
+    in order, the constexprs, the launch options."""
+
+    name: str
+    module: str
+    kernel: str
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    options: dict[str, int]
+
+
+def _moe_variants() -> list[Variant]:
+    from target.kernels import moe_sorted, moe_triton
+
+    hidden, inter = 2048, 512
+    pair_gate_up = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16",
+                    "top_k": I32, "inter": I32, "hidden": I32, "stride_xt": I32,
+                    "stride_xh": I32, "stride_we": I32, "stride_wn": I32, "stride_wh": I32,
+                    "stride_it": I32, "stride_ik": I32}
+    pair_down = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "y_ptr": "*bf16",
+                 "top_k": I32, "hidden": I32, "inter": I32, "stride_we": I32,
+                 "stride_wn": I32, "stride_wi": I32, "stride_it": I32, "stride_ik": I32}
+    gu, dn = moe_triton.pair_blocks(hidden), moe_triton.pair_blocks(inter)
+    out = [
+        Variant("pairs gate_up", "target.kernels.moe_triton", "_gate_up_kernel", pair_gate_up,
+                {"BLOCK_N": gu.block_n, "BLOCK_K": gu.block_k}, {"num_warps": gu.num_warps}),
+        Variant("pairs down", "target.kernels.moe_triton", "_down_kernel", pair_down,
+                {"BLOCK_N": dn.block_n, "BLOCK_K": dn.block_k}, {"num_warps": dn.num_warps}),
+    ]
+    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+        sorted_gate_up = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "pairs_ptr": "*i32",
+                          "experts_ptr": "*i32", "h_ptr": f"*{dtype}", "num_pairs": I32,
+                          "top_k": I32, "inter": I32, "hidden": I32, "stride_xt": I32,
+                          "stride_xh": I32, "stride_we": I32, "stride_wn": I32,
+                          "stride_wh": I32}
+        sorted_down = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "pairs_ptr": "*i32",
+                       "experts_ptr": "*i32", "y_ptr": f"*{dtype}", "num_pairs": I32,
+                       "hidden": I32, "inter": I32, "stride_we": I32, "stride_wn": I32,
+                       "stride_wi": I32}
+        for label, sig, blocks in (
+                ("gate_up", sorted_gate_up, moe_sorted.sorted_blocks(inter, hidden)),
+                ("down", sorted_down, moe_sorted.sorted_blocks(hidden, inter))):
+            out.append(Variant(
+                f"sorted {label} {dtype}", "target.kernels.moe_sorted",
+                f"_{label}_kernel", sig,
+                {"BLOCK_M": moe_sorted.BLOCK_M, "BLOCK_N": blocks.block_n,
+                 "BLOCK_K": blocks.block_k, "UPCAST": False, "PRECISION": precision},
+                {"num_warps": blocks.num_warps, "num_stages": blocks.num_stages}))
+    return out
+
+
+def _route_variants() -> list[Variant]:
+    sig = {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i64", "experts": I32,
+           "stride_t": I32, "stride_e": I32}
+    return [Variant("routing top-8 of 256", "target.kernels.moe_route", "_route_kernel", sig,
+                    {"TOP_K": 8, "BLOCK_E": 256, "BLOCK_K": 8}, {"num_warps": 4})]
+
+
+def _gdn_variants() -> list[Variant]:
+    from target.kernels import gdn_slots
+
+    names = ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "state_ptr", "slots_ptr",
+             "kept_ptr", "o_ptr"]
+    types = ["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*i64", "*i64", "*bf16"]
+    sig = dict(zip(names, types, strict=True))
+    sig.update({n: I32 for n in ("length", "v_heads", "group", "dv")})
+    for prefix, count in (("q", 4), ("k", 4), ("v", 4), ("g", 3), ("b", 3), ("c", 4), ("o", 4)):
+        dims = {4: ("s", "t", "h", "d"), 3: ("s", "t", "h")}[count]
+        if prefix == "c":
+            dims = ("n", "h", "k", "v")
+        sig.update({f"stride_{prefix}{d}": I32 for d in dims})
+    out = []
+    for label, kept, write, need in (("decode", False, True, True),
+                                     ("verify", False, False, True),
+                                     ("commit", True, True, False)):
+        out.append(Variant(f"gdn slots {label}", "target.kernels.gdn_slots",
+                           "_recurrent_slots_kernel", sig,
+                           {"DK": 128, "BLOCK_V": gdn_slots.BLOCK_V, "HAS_KEPT": kept,
+                            "WRITE_STATE": write, "NEED_OUTPUT": need},
+                           {"num_warps": gdn_slots.NUM_WARPS}))
+    return out
+
+
+def _attention_variants() -> list[Variant]:
+    from target.kernels import attention_triton
+
+    launch = attention_triton.LAUNCH
+    split = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Tables": "*i32", "QFirst": "*i32",
+             "KvLens": "*i32", "Acc": "*fp32", "Stat": "*fp32"}
+    split.update({n: I32 for n in ("stride_qt", "stride_qh", "stride_kb", "stride_kp",
+                                   "stride_kh", "stride_vb", "stride_vp", "stride_vh",
+                                   "stride_tb")})
+    split.update({"scale": "fp32"})
+    split.update({n: I32 for n in ("width", "group", "rows", "n_heads", "n_tokens", "window")})
+    merge = {"Acc": "*fp32", "Stat": "*fp32", "QFirst": "*i32", "KvLens": "*i32",
+             "Out": "*bf16", "Lse": "*fp32"}
+    merge.update({n: I32 for n in ("stride_ot", "stride_oh", "width", "n_heads", "n_tokens",
+                                   "window")})
+    return [
+        Variant("attention split", "target.kernels.attention_triton", "_split_kernel", split,
+                {"PAGE": 16, "D": 256, "BLOCK_D": 256, "BLOCK_M": launch.block_m,
+                 "BLOCK_N": launch.block_n, "SPLIT": launch.split, "CAUSAL": True,
+                 "WINDOWED": False, "IEEE": False},
+                {"num_warps": launch.warps, "num_stages": launch.stages}),
+        Variant("attention merge", "target.kernels.attention_triton", "_merge_kernel", merge,
+                {"D": 256, "BLOCK_D": 256, "SPLIT": launch.split, "CHUNK": launch.merge_chunk,
+                 "WINDOWED": False, "WITH_LSE": False}, {"num_warps": 4}),
+    ]
+
+
+def variants() -> list[Variant]:
+    return _moe_variants() + _route_variants() + _gdn_variants() + _attention_variants()
+
+
+def compile_variant(v: Variant, arch: int) -> dict:
+    """Compile one variant for sm_{arch}; its figures, or the error."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    t = time.perf_counter()
+    row = {"name": v.name}
+    try:
+        fn = getattr(importlib.import_module(v.module), v.kernel)
+        src = ASTSource(fn=fn, signature={**v.signature, **{c: "constexpr"
+                                                          for c in v.constexprs}},
+                        constexprs=dict(v.constexprs))
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=v.options)
+    except Exception as e:  # the point of the tool: report it
+        row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        return row
+    row["shared"] = compiled.metadata.shared
+    row.update(_ptxas_figures(compiled.asm["ptx"], arch))
+    row["seconds"] = round(time.perf_counter() - t, 2)
+    return row
+
+
+def _ptxas_figures(ptx: str, arch: int) -> dict:
+    import triton.backends.nvidia as nvidia
+
+    ptxas = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        suffix = "a" if arch >= 90 else ""
+        out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{suffix}", f.name, "-o",
+                              os.devnull], capture_output=True, text=True, timeout=300)
+    finally:
+        os.unlink(f.name)
+    if out.returncode != 0:
+        return {"error": f"ptxas: {out.stderr[-2000:]}"}
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spill.group(1)) if spill else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: H200)")
+    p.add_argument("--shared-limit", type=int, default=SHARED_LIMIT)
+    p.add_argument("--only", help="variants whose name contains this")
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    rows = [compile_variant(v, args.arch) for v in variants()
+            if args.only is None or args.only in v.name]
+    print(f"| kernel (sm_{args.arch}) | shared bytes | registers | spill bytes | s |")
+    print("|---|---|---|---|---|")
+    failed = False
+    for r in rows:
+        if "error" in r:
+            failed = True
+            print(f"| {r['name']} | ERROR: {r['error'].splitlines()[0][:200]} | | | |")
+            continue
+        over = r["shared"] > args.shared_limit
+        failed |= over
+        print(f"| {r['name']} | {r['shared']}{' (over the limit)' if over else ''} | "
+              f"{r['registers']} | {r['spill_bytes']} | {r['seconds']} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
