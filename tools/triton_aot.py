@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SHARED_LIMIT = 227 * 1024
 I32 = "i32"
@@ -30,7 +30,10 @@ I32 = "i32"
 @dataclass(frozen=True)
 class Variant:
     """One compilation: the kernel (module path, name), the runtime arguments' Triton types
-    in order, the constexprs, the launch options."""
+    in order, the constexprs, the launch options, and the integer arguments' values at the
+    real model's sizes. A launch specialises on those values, and so does this compile: a 1
+    becomes a constant (a unit stride: contiguous, vectorised loads), a multiple of 16 gets
+    that divisibility, as every pointer does (torch allocates 16-byte aligned)."""
 
     name: str
     module: str
@@ -38,6 +41,7 @@ class Variant:
     signature: dict[str, str]
     constexprs: dict[str, object]
     options: dict[str, int]
+    values: dict[str, int] = field(default_factory=dict)
 
 
 def _moe_variants() -> list[Variant]:
@@ -52,12 +56,22 @@ def _moe_variants() -> list[Variant]:
                  "top_k": I32, "hidden": I32, "inter": I32, "stride_we": I32,
                  "stride_wn": I32, "stride_wi": I32, "stride_it": I32, "stride_ik": I32}
     gu, dn = moe_triton.pair_blocks(hidden), moe_triton.pair_blocks(inter)
+    experts = dict(top_k=8, inter=inter, hidden=hidden, stride_xt=hidden, stride_xh=1,
+                   stride_it=8, stride_ik=1)
     out = [
         Variant("pairs gate_up", "target.kernels.moe_triton", "_gate_up_kernel", pair_gate_up,
-                {"BLOCK_N": gu.block_n, "BLOCK_K": gu.block_k}, {"num_warps": gu.num_warps}),
+                {"BLOCK_N": gu.block_n, "BLOCK_K": gu.block_k}, {"num_warps": gu.num_warps},
+                {**experts, "stride_we": 2 * inter * hidden, "stride_wn": hidden,
+                 "stride_wh": 1}),
         Variant("pairs down", "target.kernels.moe_triton", "_down_kernel", pair_down,
-                {"BLOCK_N": dn.block_n, "BLOCK_K": dn.block_k}, {"num_warps": dn.num_warps}),
+                {"BLOCK_N": dn.block_n, "BLOCK_K": dn.block_k}, {"num_warps": dn.num_warps},
+                {**experts, "stride_we": hidden * inter, "stride_wn": inter, "stride_wi": 1}),
     ]
+    # a 16-token verify at batch 1: 128 pairs
+    gate_up_values = {**experts, "num_pairs": 128, "stride_we": 2 * inter * hidden,
+                      "stride_wn": hidden, "stride_wh": 1}
+    down_values = {**experts, "num_pairs": 128, "stride_we": hidden * inter,
+                   "stride_wn": inter, "stride_wi": 1}
     for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
         sorted_gate_up = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "pairs_ptr": "*i32",
                           "experts_ptr": "*i32", "h_ptr": f"*{dtype}", "num_pairs": I32,
@@ -68,15 +82,16 @@ def _moe_variants() -> list[Variant]:
                        "experts_ptr": "*i32", "y_ptr": f"*{dtype}", "num_pairs": I32,
                        "hidden": I32, "inter": I32, "stride_we": I32, "stride_wn": I32,
                        "stride_wi": I32}
-        for label, sig, blocks in (
-                ("gate_up", sorted_gate_up, moe_sorted.sorted_blocks(inter, hidden)),
-                ("down", sorted_down, moe_sorted.sorted_blocks(hidden, inter))):
+        for label, sig, blocks, values in (
+                ("gate_up", sorted_gate_up, moe_sorted.sorted_blocks(inter, hidden),
+                 gate_up_values),
+                ("down", sorted_down, moe_sorted.sorted_blocks(hidden, inter), down_values)):
             out.append(Variant(
                 f"sorted {label} {dtype}", "target.kernels.moe_sorted",
                 f"_{label}_kernel", sig,
                 {"BLOCK_M": moe_sorted.BLOCK_M, "BLOCK_N": blocks.block_n,
                  "BLOCK_K": blocks.block_k, "UPCAST": False, "PRECISION": precision},
-                {"num_warps": blocks.num_warps, "num_stages": blocks.num_stages}))
+                {"num_warps": blocks.num_warps, "num_stages": blocks.num_stages}, values))
     return out
 
 
@@ -84,7 +99,8 @@ def _route_variants() -> list[Variant]:
     sig = {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i64", "experts": I32,
            "stride_t": I32, "stride_e": I32}
     return [Variant("routing top-8 of 256", "target.kernels.moe_route", "_route_kernel", sig,
-                    {"TOP_K": 8, "BLOCK_E": 256, "BLOCK_K": 8}, {"num_warps": 4})]
+                    {"TOP_K": 8, "BLOCK_E": 256, "BLOCK_K": 8}, {"num_warps": 4},
+                    {"experts": 256, "stride_t": 256, "stride_e": 1})]
 
 
 def _gdn_variants() -> list[Variant]:
@@ -101,14 +117,30 @@ def _gdn_variants() -> list[Variant]:
             dims = ("n", "h", "k", "v")
         sig.update({f"stride_{prefix}{d}": I32 for d in dims})
     out = []
-    for label, kept, write, need in (("decode", False, True, True),
-                                     ("verify", False, False, True),
-                                     ("commit", True, True, False)):
+    for label, length, kept, write, need in (("decode", 1, False, True, True),
+                                             ("verify", 16, False, False, True),
+                                             ("commit", 16, True, True, False)):
+        # q, k [S, L, 16, 128] contiguous; v a view of the conv output (8192 channels per
+        # token); g, β [S, L, 32]; the cache [N, 32, 128, 128]; o [S, L, 32, 128]
+        qk = {"s": length * 2048, "t": 2048, "h": 128, "d": 1}
+        values = {"length": length, "v_heads": 32, "group": 2, "dv": 128,
+                  **{f"stride_q{d}": v for d, v in qk.items()},
+                  **{f"stride_k{d}": v for d, v in qk.items()},
+                  **dict(zip(("stride_vs", "stride_vt", "stride_vh", "stride_vd"),
+                             (length * 8192, 8192, 128, 1), strict=True)),
+                  **dict(zip(("stride_gs", "stride_gt", "stride_gh"), (length * 32, 32, 1),
+                             strict=True)),
+                  **dict(zip(("stride_bs", "stride_bt", "stride_bh"), (length * 32, 32, 1),
+                             strict=True)),
+                  **dict(zip(("stride_cn", "stride_ch", "stride_ck", "stride_cv"),
+                             (32 * 128 * 128, 128 * 128, 128, 1), strict=True)),
+                  **dict(zip(("stride_os", "stride_ot", "stride_oh", "stride_od"),
+                             (length * 4096, 4096, 128, 1), strict=True))}
         out.append(Variant(f"gdn slots {label}", "target.kernels.gdn_slots",
                            "_recurrent_slots_kernel", sig,
                            {"DK": 128, "BLOCK_V": gdn_slots.BLOCK_V, "HAS_KEPT": kept,
                             "WRITE_STATE": write, "NEED_OUTPUT": need},
-                           {"num_warps": gdn_slots.NUM_WARPS}))
+                           {"num_warps": gdn_slots.NUM_WARPS}, values))
     return out
 
 
@@ -127,15 +159,21 @@ def _attention_variants() -> list[Variant]:
              "Out": "*bf16", "Lse": "*fp32"}
     merge.update({n: I32 for n in ("stride_ot", "stride_oh", "width", "n_heads", "n_tokens",
                                    "window")})
+    # a 16-token verify at batch 1: q [16, 16 heads, 256]; the pages [N, 16, 2 kv heads, 256]
+    sizes = {"width": 16, "n_heads": 16, "n_tokens": 16, "window": 0}
     return [
         Variant("attention split", "target.kernels.attention_triton", "_split_kernel", split,
                 {"PAGE": 16, "D": 256, "BLOCK_D": 256, "BLOCK_M": launch.block_m,
                  "BLOCK_N": launch.block_n, "SPLIT": launch.split, "CAUSAL": True,
                  "WINDOWED": False, "IEEE": False},
-                {"num_warps": launch.warps, "num_stages": launch.stages}),
+                {"num_warps": launch.warps, "num_stages": launch.stages},
+                {**sizes, "stride_qt": 4096, "stride_qh": 256, "stride_kb": 8192,
+                 "stride_kp": 512, "stride_kh": 256, "stride_vb": 8192, "stride_vp": 512,
+                 "stride_vh": 256, "stride_tb": 64, "group": 8, "rows": 128}),
         Variant("attention merge", "target.kernels.attention_triton", "_merge_kernel", merge,
                 {"D": 256, "BLOCK_D": 256, "SPLIT": launch.split, "CHUNK": launch.merge_chunk,
-                 "WINDOWED": False, "WITH_LSE": False}, {"num_warps": 4}),
+                 "WINDOWED": False, "WITH_LSE": False}, {"num_warps": 4},
+                {**sizes, "stride_ot": 4096, "stride_oh": 256}),
     ]
 
 
@@ -155,9 +193,15 @@ def compile_variant(v: Variant, arch: int) -> dict:
     row = {"name": v.name}
     try:
         fn = getattr(importlib.import_module(v.module), v.kernel)
-        src = ASTSource(fn=fn, signature={**v.signature, **{c: "constexpr"
-                                                          for c in v.constexprs}},
-                        constexprs=dict(v.constexprs))
+        # (the table shares one dict of sizes among kernels: each takes the ones it has)
+        values = {name: value for name, value in v.values.items() if name in fn.arg_names}
+        ones = {name: 1 for name, value in values.items() if value == 1}
+        signature = {**v.signature, **{c: "constexpr" for c in (*v.constexprs, *ones)}}
+        aligned = [name for name, kind in v.signature.items() if kind.startswith("*")
+                   or (name not in ones and values.get(name, 1) % 16 == 0)]
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+        src = ASTSource(fn=fn, signature=signature, constexprs={**v.constexprs, **ones},
+                        attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=v.options)
     except Exception as e:  # the point of the tool: report it
         row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
