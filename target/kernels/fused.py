@@ -155,6 +155,16 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 @fusable
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, rotary_dim] fp32 for positions [T] (NeoX layout: the frequencies twice),
+    computed in fp32."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], -1)[:, None, :]
+    return emb.cos(), emb.sin()
+
+
+@fusable
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          rotary_dim: int) -> torch.Tensor:
     """NeoX RoPE on the first rotary_dim dims of each head; x [T, heads, D], cos/sin

@@ -64,7 +64,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
+        q, k = self.rotary(batch.positions, q, k, cache=batch.attn_meta)
         k_cache, v_cache = caches.kv[self.layer_idx]
         attn_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         uniform = len(set(batch.query_lens)) == 1 and all(batch.is_verify)  # a round

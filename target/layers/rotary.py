@@ -16,12 +16,20 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor,
+                cache: dict | None = None) -> tuple[torch.Tensor, ...]:
         # positions [T]; each x [T, heads, head_dim]
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None, :]  # [T, 1, rotary_dim]
-        sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None, :]
-        return tuple(self._apply(x, cos, sin) for x in xs)
+        cos, sin = self.cos_sin(positions, cache)
+        return tuple(fused.rope(x, cos, sin, self.rotary_dim) for x in xs)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return fused.rope(x, cos, sin, self.rotary_dim)
+    def cos_sin(self, positions: torch.Tensor, cache: dict | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, rotary_dim] fp32 of the positions. With `cache` (a forward's
+        `ForwardBatch.attn_meta`) they are made once per forward, by the first attention layer,
+        and read by the others: every layer rotates the same positions."""
+        if cache is not None and "rope" in cache:
+            return cache["rope"]
+        cos_sin = fused.rope_cos_sin(positions, self.inv_freq.to(positions.device))
+        if cache is not None:
+            cache["rope"] = cos_sin
+        return cos_sin

@@ -34,6 +34,8 @@ def cases(device: str):
         (fused.shared_expert_combine, (r(t, h), r(t, h), r(t, 1))),
         (fused.weighted_slot_sum, (r(t, 4, h), r(t, 4).softmax(-1))),
         (fused.sigmoid_gate, (r(t, h), r(t, h))),
+        (fused.rope_cos_sin, (torch.arange(40, 40 + t, device=device),
+                              1e4 ** -torch.arange(0, 1, 1 / 8, device=device))),
         (fused.rope, (r(t, 4, 32), r(t, 1, 16, dtype=torch.float32),
                       r(t, 1, 16, dtype=torch.float32), 16)),
     ]
@@ -50,7 +52,7 @@ def check(device: str) -> None:
             torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2,
                                        msg=fn.__name__)
         # another token count through the same compiled function
-        more = [torch.cat([a, a[:1]]) if isinstance(a, torch.Tensor) and a.dim() > 1
+        more = [torch.cat([a, a[:1]]) if isinstance(a, torch.Tensor) and a.dim() >= 1
                 and a.shape[0] == args[0].shape[0] else a for a in args]
         out = compiled(*more)
         first = out[0] if isinstance(out, tuple) else out

@@ -114,3 +114,17 @@ def test_fused_input_gemms_match_transformers_too(tiny_models, hf):
     prompt = torch.randint(0, 300, (17,), generator=torch.Generator().manual_seed(3)).tolist()
     (mine,) = h.logits([h.seq(0, prompt, 0, h.pages(64), 0)], verify=False)
     torch.testing.assert_close(mine, hf_logits(hf, prompt), atol=ATOL, rtol=0)
+
+
+def test_rope_tables_are_made_once_per_forward(tiny_models, monkeypatch):
+    """Every attention layer rotates the same positions: the first makes cos/sin, the others
+    read them from the forward's ForwardBatch.attn_meta."""
+    from target.kernels import fused
+
+    h = TargetHarness(tiny_models / "target")
+    calls = []
+    real = fused.rope_cos_sin
+    monkeypatch.setattr(fused, "rope_cos_sin", lambda *a: calls.append(1) or real(*a))
+    assert len(h.model.config.full_attention_layers) > 1
+    h.logits([h.seq(0, [3, 1, 4, 1, 5], 0, h.pages(16), 0)], verify=False)
+    assert len(calls) == 1
