@@ -69,9 +69,12 @@ class GatedAttention(nn.Module):
         attn_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         uniform = len(set(batch.query_lens)) == 1 and all(batch.is_verify)  # a round
         if uniform and self.round_attention == "triton":
-            lens = batch.seq_lens_t
+            meta = batch.attn_meta  # the first query's position and the lengths, int32:
+            if "round_lens" not in meta:  # made once per forward, read by every layer
+                lens = batch.seq_lens_t.to(torch.int32)
+                meta["round_lens"] = (lens - batch.query_lens[0], lens)
             o = attention_triton.paged_attention(q, k_cache, v_cache, batch.block_tables,
-                                                 lens - batch.query_lens[0], lens, self.scale)
+                                                 *meta["round_lens"], self.scale)
         elif uniform and self.round_attention == "gathered":
             o = attn_kernels.paged_attention_gathered(q, k_cache, v_cache, batch.seq_lens_t,
                                                       batch.block_tables, self.scale)
