@@ -174,3 +174,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
     out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
     return torch.cat([out, rest], dim=-1)
+
+
+@fusable
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full attention's per-head q and k norms (zero-centred RMSNorm), then RoPE on both: the
+    math of rms_norm and rope, in one compiled graph instead of four."""
+    q = rope.eager(rms_norm.eager(q, q_weight, eps), cos, sin, rotary_dim)
+    k = rope.eager(rms_norm.eager(k, k_weight, eps), cos, sin, rotary_dim)
+    return q, k
+

@@ -61,10 +61,11 @@ class GatedAttention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k, cache=batch.attn_meta)
+        cos, sin = self.rotary.cos_sin(batch.positions, batch.attn_meta)
+        q, k = fused.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                  cos, sin, self.rotary.rotary_dim)
         k_cache, v_cache = caches.kv[self.layer_idx]
         attn_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         uniform = len(set(batch.query_lens)) == 1 and all(batch.is_verify)  # a round

@@ -8,19 +8,15 @@ from target.kernels import fused
 
 class RotaryEmbedding(nn.Module):
     """NeoX-style RoPE on the first `rotary_dim` dims of each head (Qwen3.5 rotates 64 of 256).
-    For text the three mRoPE rows carry the same position, so this is plain 1-D RoPE."""
+    For text the three mRoPE rows carry the same position, so this is plain 1-D RoPE. It holds
+    the frequencies and makes the cos/sin tables; the attention applies them together with
+    its q and k norms (fused.qk_norm_rope)."""
 
     def __init__(self, rotary_dim: int, theta: float):
         super().__init__()
         self.rotary_dim = rotary_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor,
-                cache: dict | None = None) -> tuple[torch.Tensor, ...]:
-        # positions [T]; each x [T, heads, head_dim]
-        cos, sin = self.cos_sin(positions, cache)
-        return tuple(fused.rope(x, cos, sin, self.rotary_dim) for x in xs)
 
     def cos_sin(self, positions: torch.Tensor, cache: dict | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
