@@ -107,9 +107,13 @@ def gdn_split_heads(conv_out: torch.Tensor, key_dim: int, num_k_heads: int, head
     return q.repeat_interleave(ratio, -2), k.repeat_interleave(ratio, -2), v
 
 
-# The Gated DeltaNet's causal conv over S sequences of L tokens (the reference's K
-# multiply-adds per output and the SiLU, as one kernel).
-causal_conv_batched = fusable(gdn_torch.causal_conv_batched)
+@fusable
+def causal_conv_slots(x: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Tensor,
+                      weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gated DeltaNet's causal conv over S sequences of L tokens
+    (gdn_torch.causal_conv_batched: K multiply-adds per output and the SiLU) from the conv
+    states at `slots` of the cache, read inside the same kernel rather than gathered first."""
+    return gdn_torch.causal_conv_batched(x, conv_cache[slots], weight)
 
 
 @fusable

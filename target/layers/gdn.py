@@ -141,7 +141,7 @@ class GatedDeltaNet(nn.Module):
         n_seqs, width = batch.num_seqs, batch.query_lens[0]
         slots = batch.state_slots_t
         x = mixed_qkv.view(n_seqs, width, -1)  # [S, L, C]
-        conv_out, conv_seq = gdn.causal_conv_batched(x, conv_cache[slots], weight)
+        conv_out, conv_seq = gdn.causal_conv_slots(x, conv_cache, slots, weight)
         in_place = self.recurrence == "slots"
         # [S, L, H, D]; at the key heads for the slots kernel (it maps value heads to them)
         q, k, v = self._split_heads(conv_out, expand=not in_place)
