@@ -108,12 +108,18 @@ def gdn_split_heads(conv_out: torch.Tensor, key_dim: int, num_k_heads: int, head
 
 
 @fusable
-def causal_conv_slots(x: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Tensor,
-                      weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gated DeltaNet's causal conv over S sequences of L tokens
+def conv_split_heads(x: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Tensor,
+                     weight: torch.Tensor, key_dim: int, num_k_heads: int, head_k_dim: int,
+                     num_v_heads: int, head_v_dim: int, qk_dtype: torch.dtype,
+                     expand: bool) -> tuple[torch.Tensor, ...]:
+    """The Gated DeltaNet's causal conv over S sequences of L tokens x [S, L, C]
     (gdn_torch.causal_conv_batched: K multiply-adds per output and the SiLU) from the conv
-    states at `slots` of the cache, read inside the same kernel rather than gathered first."""
-    return gdn_torch.causal_conv_batched(x, conv_cache[slots], weight)
+    states at `slots` of the cache, read in the same graph rather than gathered first, then
+    gdn_split_heads of its output: q, k, v [S, L, H, D] and [state | x] [S, C, K-1+L]."""
+    conv_out, conv_seq = gdn_torch.causal_conv_batched(x, conv_cache[slots], weight)
+    q, k, v = gdn_split_heads.eager(conv_out, key_dim, num_k_heads, head_k_dim, num_v_heads,
+                                    head_v_dim, qk_dtype, expand)
+    return q, k, v, conv_seq
 
 
 @fusable

@@ -21,14 +21,6 @@ def gated_delta_rule(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tenso
     return gdn_torch.recurrent_gated_delta_rule(q, k, v, g, beta, state)
 
 
-def causal_conv_slots(x, conv_cache, slots, weight):
-    """x [S, L, C] from the conv states conv_cache[slots] [S, C, K-1]: silu(conv) [S, L, C]
-    and [state | x] [S, C, K-1+L]."""
-    from target.kernels import fused  # (fused imports gdn_torch; keep this module light)
-
-    return fused.causal_conv_slots(x, conv_cache, slots, weight)
-
-
 def recurrence_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype q, k and β reach the recurrence in: the model's on fla (it takes them so),
     fp32 for the torch reference."""

@@ -141,10 +141,13 @@ class GatedDeltaNet(nn.Module):
         n_seqs, width = batch.num_seqs, batch.query_lens[0]
         slots = batch.state_slots_t
         x = mixed_qkv.view(n_seqs, width, -1)  # [S, L, C]
-        conv_out, conv_seq = gdn.causal_conv_slots(x, conv_cache, slots, weight)
         in_place = self.recurrence == "slots"
-        # [S, L, H, D]; at the key heads for the slots kernel (it maps value heads to them)
-        q, k, v = self._split_heads(conv_out, expand=not in_place)
+        # q, k, v [S, L, H, D] (q and k at the key heads for the slots kernel: it maps value
+        # heads to them); conv_seq [S, C, K-1+L] the committed conv state, then the inputs
+        q, k, v, conv_seq = fused.conv_split_heads(
+            x, conv_cache, slots, weight, self.local_segments[0], self.num_k_heads,
+            self.head_k_dim, self.num_v_heads, self.head_v_dim, gdn.recurrence_dtype(x),
+            not in_place)
         g, beta = g.view(n_seqs, width, -1), beta.view(n_seqs, width, -1)
         if in_place:  # decode writes its final states in place, a verify only reads them
             o = gdn_slots.recurrent_slots(q, k, v, g, beta, ssm_cache, slots,
@@ -159,13 +162,12 @@ class GatedDeltaNet(nn.Module):
             journal.append(GDNBlockJournal(slots, conv_seq, k, v, g, beta))
         return o.reshape(n_seqs * width, *o.shape[2:])
 
-    def _split_heads(self, conv_out: torch.Tensor, expand: bool = True
-                     ) -> tuple[torch.Tensor, ...]:
+    def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # conv_out [..., C] → q, k [..., Hv, Dk] (normalised, q scaled, key heads expanded to
-        # the value heads unless not `expand`), v [..., Hv, Dv]
+        # the value heads), v [..., Hv, Dv]
         return fused.gdn_split_heads(conv_out, self.local_segments[0], self.num_k_heads,
                                      self.head_k_dim, self.num_v_heads, self.head_v_dim,
-                                     gdn.recurrence_dtype(conv_out), expand)
+                                     gdn.recurrence_dtype(conv_out))
 
     def commit(self, batch: ForwardBatch, caches: TargetCaches, num_kept: list[int]) -> None:
         """Advance each verify sequence's committed state over the first num_kept tokens."""
