@@ -137,7 +137,9 @@ class EngineConfig:
                 not isinstance(self.control_spin_us, int) or self.control_spin_us < 0):
             raise ValueError(f"control_spin_us must be a non-negative integer or None, got "
                              f"{self.control_spin_us!r}")
-        self.kernels.attention_kernel(self.device)  # "triton" where it cannot run: say so now
+        kernels = self.kernels  # a Triton kernel asked for where it cannot run: say so now
+        kernels.attention_kernel(self.device)
+        kernels.experts_kernel(self.device)
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_block_size <= 0:

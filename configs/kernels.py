@@ -99,6 +99,16 @@ class KernelConfig:
                              + (" without Triton" if attention_triton.triton is None else ""))
         return self.attention
 
+    def experts_kernel(self, device: torch.device | str) -> str:
+        """moe, checked against the device: the Triton paths ("pairs", "sorted") need Triton
+        and CUDA (or TRITON_INTERPRET=1); "auto" resolves per step (FusedExperts)."""
+        from target.kernels import moe_sorted, moe_triton
+
+        if self.moe in ("pairs", "sorted"):
+            module = moe_triton if self.moe == "pairs" else moe_sorted
+            _check_triton(f"moe_backend {self.moe!r}", module, device)
+        return self.moe
+
     def routing_kernel(self, device: torch.device | str) -> str:
         """moe_routing, checked against the device: "triton" needs Triton and CUDA (or
         TRITON_INTERPRET=1)."""

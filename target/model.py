@@ -74,6 +74,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         set_round_attention(self, kernels.round_attention(device, graphs))
         routing = kernels.routing_kernel(device)
         recurrence = kernels.recurrence_kernel(device)
+        experts = kernels.experts_kernel(device)
         for m in self.modules():
             if isinstance(m, GatedAttention):
                 m.fused_inputs = kernels.attention_inputs == "fused"
@@ -83,7 +84,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             elif isinstance(m, SparseMoE):
                 m.fused_inputs = kernels.moe_inputs == "fused"
                 m.routing = routing
-                m.experts.kernel = kernels.moe
+                m.experts.kernel = experts
         fused.enable(kernels.compiles_elementwise(graphs))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

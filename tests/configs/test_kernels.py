@@ -21,13 +21,21 @@ def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
         KernelConfig(**{field: "nope"})
 
 
-def test_triton_routing_where_it_cannot_run_is_a_value_error(monkeypatch):
-    from target.kernels import moe_route
+def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny_demo):
+    from target.kernels import gdn_slots, moe_route, moe_sorted, moe_triton
 
-    monkeypatch.setattr(moe_route, "_interpreted", lambda: False)
+    for module in (moe_route, gdn_slots, moe_sorted, moe_triton):
+        monkeypatch.setattr(module, "_interpreted", lambda: False)
     with pytest.raises(ValueError, match="moe_routing 'triton'"):
         KernelConfig(moe_routing="triton").routing_kernel("cpu")
-    assert KernelConfig().routing_kernel("cpu") == "torch"
+    with pytest.raises(ValueError, match="gdn_recurrence 'slots'"):
+        KernelConfig(gdn_recurrence="slots").recurrence_kernel("cpu")
+    for moe in ("pairs", "sorted"):  # at EngineConfig already: `serve --moe-backend pairs`
+        with pytest.raises(ValueError, match=f"moe_backend '{moe}'"):
+            EngineConfig(model=str(tiny_demo[0]), moe_backend=moe)
+    default = KernelConfig()
+    assert (default.routing_kernel("cpu"), default.recurrence_kernel("cpu"),
+            default.experts_kernel("cpu")) == ("torch", "fla", "auto")
 
 
 def test_attention_resolves_per_device_and_use():
@@ -62,7 +70,9 @@ def choices(target, draft) -> dict[str, set]:
     }
 
 
-@pytest.mark.parametrize("moe", [m for m in MOE_BACKENDS if m != "auto"])
+# (the Triton paths refuse CPU outside the interpreter: the test below)
+@pytest.mark.parametrize("moe", [m for m in MOE_BACKENDS if m not in ("auto", "pairs",
+                                                                      "sorted")])
 def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
     from draft.model import DFlashDraftModel
     from target.loader import load_target
