@@ -14,15 +14,13 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from configs.engine import check_load_format
 from configs.kernels import KernelConfig
+from draft import fused
 from draft.attention import (
-    apply_rope,
     paged_block_attention,
     paged_block_attention_triton,
-    rope_cos_sin,
     rope_inv_freq,
     write_kv,
 )
@@ -40,10 +38,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """norm(x); with `residual`: the stream residual + x and its norm, in one graph."""
+        if residual is None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class DraftMLP(nn.Module):
@@ -55,7 +54,7 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DraftAttention(nn.Module):
@@ -82,9 +81,9 @@ class DraftAttention(nn.Module):
 
     def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         # x [..., H] -> k (normed, RoPE'd), v [..., Hkv, D]
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return apply_rope(k, cos, sin), v
+        return fused.norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin), v
 
     def forward(
         self,
@@ -96,8 +95,8 @@ class DraftAttention(nn.Module):
         context_lens: Tensor,
     ) -> Tensor:
         # x [S, B, H] (already input-normed); cos/sin [S, B, D] at the block positions
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
-        q = apply_rope(q, cos, sin)
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        q = fused.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
         k, v = self.project_kv(x, cos, sin)
         attend = BLOCK_ATTENTION[self.block_attention]
         out = attend(
@@ -118,14 +117,22 @@ class DraftDecoderLayer(nn.Module):
     def forward(
         self,
         x: Tensor,
+        residual: Tensor | None,
         cos: Tensor,
         sin: Tensor,
         kv: tuple[Tensor, Tensor],
         block_tables: Tensor,
         context_lens: Tensor,
-    ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, block_tables, context_lens)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[Tensor, Tensor]:
+        """x: the previous layer's MLP output (or the block's embeddings, residual None).
+        Returns this layer's MLP output and the stream before it; the next norm adds them."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv, block_tables, context_lens)
+        residual, h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 BLOCK_ATTENTION = {"gathered": paged_block_attention, "triton": paged_block_attention_triton}
@@ -236,7 +243,7 @@ class DFlashDraftModel(nn.Module):
     ) -> None:
         # aux [N, len(target_layer_ids) * H] of committed tokens; positions, slot_mapping [N]
         ctx = self.hidden_norm(self.fc(aux.to(self.fusion_dtype))).to(self.dtype)  # [N, H]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [N, D]
+        cos, sin = fused.rope_cos_sin(positions, self.inv_freq, self.dtype)  # [N, D]
         slots = slot_mapping.long()
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
@@ -250,10 +257,11 @@ class DFlashDraftModel(nn.Module):
         # noise_embeds [S, B, H] (already scaled); block of sequence s at L_s .. L_s + B - 1
         x = noise_embeds.to(self.dtype)
         positions = context_lens.long()[:, None] + torch.arange(x.shape[1], device=x.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)  # [S, B, D]
+        cos, sin = fused.rope_cos_sin(positions, self.inv_freq, self.dtype)  # [S, B, D]
+        residual = None
         for layer, kv in zip(self.layers, kv_cache, strict=True):
-            x = layer(x, cos, sin, kv, block_tables, context_lens)
-        return self.norm(x)  # [S, B, H]
+            x, residual = layer(x, residual, cos, sin, kv, block_tables, context_lens)
+        return self.norm(x, residual)[1]  # [S, B, H]
 
     def compute_logits(self, hidden: Tensor, lm_head: Callable[[Tensor], Tensor]) -> Tensor:
         logits = lm_head(hidden) * self.cfg.output_multiplier

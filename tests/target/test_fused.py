@@ -1,13 +1,14 @@
-"""The fusable elementwise functions (target/kernels/fused.py), compiled by torch.compile with
-dynamic shapes, equal their eager selves — on CPU (inductor's C++ backend) here, on CUDA
-(Triton) in the gpu case; and one compiled function serves two token counts (dynamic shapes:
-each layer and batch size reuses it)."""
+"""The fusable elementwise functions (target/kernels/fused.py, draft/fused.py), compiled by
+torch.compile with dynamic shapes, equal their eager selves — on CPU (inductor's C++ backend)
+here, on CUDA (Triton) in the gpu case; and one compiled function serves two token counts
+(dynamic shapes: each layer and batch size reuses it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from draft import fused as draft_fused
 from target.kernels import fused
 
 
@@ -42,6 +43,13 @@ def cases(device: str):
         (fused.qk_norm_rope, (r(t, 4, 32), r(t, 2, 32), r(32) * 0.1, r(32) * 0.1, 1e-6,
                               r(t, 1, 16, dtype=torch.float32),
                               r(t, 1, 16, dtype=torch.float32), 16)),
+        (draft_fused.rms_norm, (r(t, h), r(h), 1e-6)),
+        (draft_fused.add_rms_norm, (r(t, h), r(t, h), r(h), 1e-6)),
+        (draft_fused.norm_rope, (r(t, 4, 32), r(32), 1e-6, r(t, 32), r(t, 32))),
+        (draft_fused.silu_mul, (r(t, h), r(t, h))),
+        (draft_fused.rope_cos_sin, (torch.arange(40, 40 + t, device=device),
+                                    1e4 ** -torch.arange(0, 1, 1 / 16, device=device),
+                                    torch.bfloat16)),
         (fused.rope_cos_sin, (torch.arange(40, 40 + t, device=device),
                               1e4 ** -torch.arange(0, 1, 1 / 8, device=device))),
         (fused.rope, (r(t, 4, 32), r(t, 1, 16, dtype=torch.float32),
