@@ -111,8 +111,10 @@ def paged_block_attention(
     is_causal: bool,
     window: int | None,
     scale: float,
+    meta: dict | None = None,
 ) -> Tensor:
     """Block queries over [paged context KV ; block KV]; q [S, B, Hq, D] -> [S, B, Hq, D].
+    (`meta`: as paged_block_attention_triton takes it; this form keeps nothing there.)
 
     Sequence s has context at positions 0..L_s-1 and its block at L_s..L_s+B-1. Sequences are
     padded to the longest gathered context; padded keys are masked out.
@@ -131,15 +133,19 @@ def paged_block_attention(
     return gqa_attention(q, k, v, mask, scale)
 
 
+def block_slots(block_tables: Tensor, context_lens: Tensor, block_len: int,
+                page: int) -> Tensor:
+    """[S·B] the cache slots of each sequence's block positions L_s … L_s+B−1."""
+    pos = context_lens.long()[:, None] + torch.arange(block_len, device=context_lens.device)
+    return (block_tables.long().gather(1, pos // page) * page + pos % page).flatten()
+
+
 def write_block_kv(k_block: Tensor, v_block: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   block_tables: Tensor, context_lens: Tensor) -> None:
-    """The block's K/V [S, B, Hkv, D] into each sequence's own slots at L_s … L_s+B−1: the
+                   slots: Tensor) -> None:
+    """The block's K/V [S, B, Hkv, D] into each sequence's own slots (block_slots): the
     draft pages there are rewritten by the context write of whatever gets committed and are
     never read as context before, so context and block become one paged key range."""
-    page, block_len = k_cache.shape[1], k_block.shape[1]
-    pos = context_lens.long()[:, None] + torch.arange(block_len, device=k_block.device)
-    slots = block_tables.long().gather(1, pos // page) * page + pos % page
-    write_kv(k_block.flatten(0, 1), v_block.flatten(0, 1), k_cache, v_cache, slots.flatten())
+    write_kv(k_block.flatten(0, 1), v_block.flatten(0, 1), k_cache, v_cache, slots)
 
 
 def paged_block_attention_triton(
@@ -154,14 +160,22 @@ def paged_block_attention_triton(
     is_causal: bool,
     window: int | None,
     scale: float,
+    meta: dict | None = None,
 ) -> Tensor:
     """paged_block_attention with the pages read in place by the Triton split-keys kernel
     (target/kernels/attention_triton.py): the block's K/V written to its own slots first
-    (write_block_kv), then its queries over keys 0 … L_s+B−1. q [S, B, Hq, D] -> same."""
+    (write_block_kv), then its queries over keys 0 … L_s+B−1. q [S, B, Hq, D] -> same.
+    `meta`: a forward's dict, where the block's slots and int32 lengths are made once and
+    read by every layer (they depend only on the tables and context lengths)."""
     from target.kernels.attention_triton import paged_attention
 
-    write_block_kv(k_block, v_block, k_cache, v_cache, block_tables, context_lens)
-    lens = context_lens.to(torch.int32)
-    out = paged_attention(q.flatten(0, 1), k_cache, v_cache, block_tables, lens,
-                          lens + q.shape[1], scale, causal=is_causal, window=window)
+    meta = {} if meta is None else meta
+    if "block" not in meta:
+        lens = context_lens.to(torch.int32)
+        meta["block"] = (block_slots(block_tables, context_lens, q.shape[1], k_cache.shape[1]),
+                         lens, lens + q.shape[1])
+    slots, first, last = meta["block"]
+    write_block_kv(k_block, v_block, k_cache, v_cache, slots)
+    out = paged_attention(q.flatten(0, 1), k_cache, v_cache, block_tables, first, last, scale,
+                          causal=is_causal, window=window)
     return out.view(q.shape)

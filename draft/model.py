@@ -93,15 +93,17 @@ class DraftAttention(nn.Module):
         kv: tuple[Tensor, Tensor],
         block_tables: Tensor,
         context_lens: Tensor,
+        meta: dict,
     ) -> Tensor:
-        # x [S, B, H] (already input-normed); cos/sin [S, B, D] at the block positions
+        # x [S, B, H] (already input-normed); cos/sin [S, B, D] at the block positions; meta:
+        # the forward's values every layer shares (made by the first)
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
         q = fused.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
         k, v = self.project_kv(x, cos, sin)
         attend = BLOCK_ATTENTION[self.block_attention]
         out = attend(
             q, k, v, kv[0], kv[1], block_tables, context_lens,
-            is_causal=self.is_causal, window=self.window, scale=self.scale,
+            is_causal=self.is_causal, window=self.window, scale=self.scale, meta=meta,
         )
         return self.o_proj(out.flatten(-2))
 
@@ -123,6 +125,7 @@ class DraftDecoderLayer(nn.Module):
         kv: tuple[Tensor, Tensor],
         block_tables: Tensor,
         context_lens: Tensor,
+        meta: dict,
     ) -> tuple[Tensor, Tensor]:
         """x: the previous layer's MLP output (or the block's embeddings, residual None).
         Returns this layer's MLP output and the stream before it; the next norm adds them."""
@@ -130,7 +133,7 @@ class DraftDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             residual, h = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv, block_tables, context_lens)
+        h = self.self_attn(h, cos, sin, kv, block_tables, context_lens, meta)
         residual, h = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -258,9 +261,9 @@ class DFlashDraftModel(nn.Module):
         x = noise_embeds.to(self.dtype)
         positions = context_lens.long()[:, None] + torch.arange(x.shape[1], device=x.device)
         cos, sin = fused.rope_cos_sin(positions, self.inv_freq, self.dtype)  # [S, B, D]
-        residual = None
+        residual, meta = None, {}
         for layer, kv in zip(self.layers, kv_cache, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv, block_tables, context_lens)
+            x, residual = layer(x, residual, cos, sin, kv, block_tables, context_lens, meta)
         return self.norm(x, residual)[1]  # [S, B, H]
 
     def compute_logits(self, hidden: Tensor, lm_head: Callable[[Tensor], Tensor]) -> Tensor:
