@@ -132,5 +132,5 @@ def set_kernels(target: Qwen3_5MoeForCausalLM, draft: DFlashDraftModel,
     graphs = device.type == "cuda" and not args.enforce_eager
     kernels = kernel_config(args, variant)
     target.set_kernels(kernels, graphs)
-    draft.set_kernels(kernels)
+    draft.set_kernels(kernels, graphs)
     return graphs

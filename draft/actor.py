@@ -37,7 +37,8 @@ class DraftWorker(StepLoopEnds):
         self.model = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
                                                       device=self.device, block_size=block_size,
                                                       load_format=cfg.load_format)
-        self.model.set_kernels(cfg.kernels)
+        self.model.set_kernels(cfg.kernels, graphs=self.device.type == "cuda"
+                               and not cfg.enforce_eager)
         if embed is None:
             embed_module, head = load_embedding_and_head(cfg.model, cfg.torch_dtype, self.device,
                                                          cfg.load_format)

@@ -177,9 +177,13 @@ class DFlashDraftModel(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def set_kernels(self, kernels: KernelConfig) -> None:
-        """The block attention (configs/kernels.py), resolved for the weights' device."""
+    def set_kernels(self, kernels: KernelConfig, graphs: bool) -> None:
+        """The block attention (configs/kernels.py), resolved for the weights' device; and,
+        as the target's set_kernels does, whether the elementwise chains compile (graphs:
+        proposals replay CUDA graphs). Process-wide: a draft actor's process has no target
+        model to set it."""
         set_block_attention(self, kernels.block_attention(self.device))
+        fused.enable_compile(kernels.compiles_elementwise(graphs))
 
     # ---- weights -------------------------------------------------------------------------
 

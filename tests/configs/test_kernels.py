@@ -83,7 +83,7 @@ def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
                            attention_inputs="fused")
     try:
         target.set_kernels(kernels, graphs=True)
-        draft.set_kernels(kernels)
+        draft.set_kernels(kernels, graphs=True)
         assert choices(target, draft) == {
             "round_attention": {"gathered"}, "attention_inputs": {True},
             "batched_rounds": {False}, "fused_inputs": {True},
@@ -121,3 +121,21 @@ def test_engine_config_rejects_a_bad_moe_backend(tiny_demo):
     with pytest.raises(ValueError, match="moe_backend"):
         EngineConfig(model=str(tiny_demo[0]), moe_backend="triton")
     assert EngineConfig(model=str(tiny_demo[0])).kernels == KernelConfig()
+
+
+def test_a_draft_alone_in_its_process_compiles_its_chains_with_graphs(tiny_demo):
+    """The draft actor's process holds no target: the draft's set_kernels decides whether
+    the elementwise chains compile, as the target's does in the workers."""
+    from draft.model import DFlashDraftModel
+
+    draft = DFlashDraftModel.from_pretrained(str(tiny_demo[1]))
+    try:
+        fused.enable(False)
+        draft.set_kernels(KernelConfig(), graphs=True)
+        assert fused._enabled
+        draft.set_kernels(KernelConfig(), graphs=False)
+        assert not fused._enabled
+        draft.set_kernels(KernelConfig(compile_elementwise=False), graphs=True)
+        assert not fused._enabled
+    finally:
+        fused.enable(False)
