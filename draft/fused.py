@@ -12,11 +12,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from draft import attention
-from target.kernels.fused import enable as enable_compile
 from target.kernels.fused import fusable
-
-__all__ = ["enable_compile", "rms_norm", "add_rms_norm", "norm_rope", "silu_mul",
-           "rope_cos_sin"]
 
 
 @fusable

@@ -26,6 +26,7 @@ from draft.attention import (
 )
 from draft.config import DraftConfig
 from target import dummy
+from target.kernels import fused as target_fused
 from target.weights import read_safetensors
 
 KVCache = list[tuple[Tensor, Tensor]]  # per draft layer (k_cache, v_cache)
@@ -183,7 +184,7 @@ class DFlashDraftModel(nn.Module):
         proposals replay CUDA graphs). Process-wide: a draft actor's process has no target
         model to set it."""
         set_block_attention(self, kernels.block_attention(self.device))
-        fused.enable_compile(kernels.compiles_elementwise(graphs))
+        target_fused.enable(kernels.compiles_elementwise(graphs))
 
     # ---- weights -------------------------------------------------------------------------
 
