@@ -38,7 +38,7 @@ class InstantTarget(nn.Module):
         return (torch.zeros(t, HIDDEN, device=batch.input_ids.device),
                 torch.zeros(t, HIDDEN * len(AUX), device=batch.input_ids.device))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         return torch.zeros(hidden.shape[0], VOCAB, device=hidden.device)
 
     def commit_verify(self, batch, caches, num_kept) -> None:

@@ -105,8 +105,11 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         aux_out = torch.cat(feats, dim=-1) if feats else x.new_empty(x.shape[0], 0)
         return self.model.norm(x, residual)[1], aux_out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """[T, V] logits, in fp32 unless not `fp32` (then the model's dtype: an argmax needs
+        no more, and the conversion is exact, so it picks the same token)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits
 
     def commit_verify(self, batch: ForwardBatch, caches: TargetCaches,
                       num_kept: list[int] | torch.Tensor) -> None:

@@ -248,18 +248,21 @@ class ModelRunner:
         uniform round replays CUDA graphs where the runner has them (workers/cuda_graphs.py);
         their outputs are padded past the real sequences, which are read by index."""
         width = len(seqs[0].token_ids)
+        # greedy acceptance alone reads only argmaxes: logits in the model's dtype do
+        fp32 = any(not s.params.greedy or s.params.logprobs is not None for s in seqs)
         graphs, captured = self.graphs, None
         if graphs is not None and all(len(s.token_ids) == width for s in seqs) and graphs.fits(
                 len(seqs), width, max(len(s.block_table) for s in seqs)):
             captured = graphs.forward(seqs, width)
         if captured is not None:
             hidden, aux, batch = captured
-            logits = self.model.compute_logits(hidden[: sum(len(s.token_ids) for s in seqs)])
+            logits = self.model.compute_logits(hidden[: sum(len(s.token_ids) for s in seqs)],
+                                               fp32)
             commit = graphs.commit
         else:
             batch = self._batch(seqs, True)
             hidden, aux = self.model(batch, self.caches)
-            logits = self.model.compute_logits(hidden)  # [T, V]
+            logits = self.model.compute_logits(hidden, fp32)  # [T, V]
 
             def commit(num_kept: list[int]) -> None:
                 self.model.commit_verify(batch, self.caches, num_kept)

@@ -43,6 +43,9 @@ def accept_greedy_batch(drafts: torch.Tensor, logits: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """accept_greedy for S blocks of one size, on the device (the caller reads both results
     with one host sync). drafts [S, K]; logits [S, K+1, V] → accepted [S], bonus [S]."""
+    if drafts.shape[1] == 0:  # a decode step: nothing to accept, the bonus is the argmax
+        bonus = logits[:, 0].argmax(-1)
+        return torch.zeros_like(bonus), bonus
     pred = logits.argmax(-1)  # [S, K+1]
     n = (drafts == pred[:, :-1]).int().cumprod(1).sum(1)  # [S]
     return n, pred.gather(1, n.unsqueeze(1)).squeeze(1)

@@ -81,6 +81,12 @@ def test_batched_greedy_acceptance_equals_one_block_at_a_time():
     want = [accept_greedy(drafts[s], logits[s]) for s in range(S)]
     assert list(zip(n.tolist(), bonus.tolist(), strict=True)) == want
     assert sorted(set(n.tolist())) == list(range(K + 1))  # every acceptance length occurred
+    # a decode step (no drafts): nothing accepted, the bonus is the row's argmax; bf16 logits
+    # pick what their fp32 conversion picks
+    one = logits[:, :1].bfloat16()
+    n, bonus = accept_greedy_batch(drafts[:, :0], one)
+    assert n.tolist() == [0] * S
+    assert bonus.tolist() == [accept_greedy(drafts[s, :0], one[s].float())[1] for s in range(S)]
 
 
 def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zeros():
