@@ -92,6 +92,20 @@ def _moe_variants() -> list[Variant]:
                 {"BLOCK_M": moe_sorted.BLOCK_M, "BLOCK_N": blocks.block_n,
                  "BLOCK_K": blocks.block_k, "UPCAST": False, "PRECISION": precision},
                 {"num_warps": blocks.num_warps, "num_stages": blocks.num_stages}, values))
+    align = {"ids_ptr": "*i64", "pairs": I32, "top_k": I32, "stride_it": I32,
+             "stride_ik": I32, "starts_ptr": "*i32", "cursor_ptr": "*i32",
+             "sorted_ptr": "*i32"}
+    align_values = {"pairs": 1024, "top_k": 8, "stride_it": 8, "stride_ik": 1,
+                    "max_blocks": 64 + 256}
+    out += [
+        Variant("sorted align: groups", "target.kernels.moe_sorted", "_groups_kernel",
+                {**align, "block_expert_ptr": "*i32", "max_blocks": I32},
+                {"BLOCK_M": moe_sorted.BLOCK_M, "BLOCK_E": 256,
+                 "CHUNK": moe_sorted._ALIGN_CHUNK, "BLOCK_B": moe_sorted._ALIGN_BLOCKS},
+                {"num_warps": 4}, align_values),
+        Variant("sorted align: place", "target.kernels.moe_sorted", "_place_kernel", align,
+                {"BLOCK": moe_sorted._ALIGN_CHUNK}, {"num_warps": 4}, align_values),
+    ]
     return out
 
 
