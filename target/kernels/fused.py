@@ -160,6 +160,14 @@ def shared_expert_combine(routed: torch.Tensor, shared: torch.Tensor,
 
 
 @fusable
+def moe_combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor,
+                gate_logit: torch.Tensor) -> torch.Tensor:
+    """weighted_slot_sum of the routed rows y [T, k, H], then shared_expert_combine: the
+    MoE's output in one compiled graph instead of two."""
+    return shared_expert_combine.eager(weighted_slot_sum.eager(y, weights), shared, gate_logit)
+
+
+@fusable
 def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return o * torch.sigmoid(gate)
 

@@ -17,9 +17,11 @@ from target.kernels import fused
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                    topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+                    topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                    reduce: bool = True) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I];
-    topk_ids / topk_weights [T, k]. Returns [T, H] in x's dtype."""
+    topk_ids / topk_weights [T, k]. Returns [T, H] in x's dtype; with reduce False each slot's
+    row unweighted, [T, k, H] (the caller weights and sums them: FusedExperts)."""
     num_experts, k = gate_up.shape[0], topk_ids.shape[1]
     flat = topk_ids.flatten()  # [T·k] expert of each (token, slot) pair
     order = flat.argsort(stable=True)  # pairs grouped by expert
@@ -33,11 +35,13 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     y = torch._grouped_mm(fused.silu_mul(gu), down.transpose(1, 2), offs=offs)  # [T·k, H]
     # Back to (token, slot) order (a permutation: no atomics), then the shared fp32 combine.
     y = torch.empty(y.shape, dtype=y.dtype, device=y.device).index_copy_(0, order, y)
-    return fused.weighted_slot_sum(y.view(*topk_ids.shape, -1), topk_weights).to(x.dtype)
+    y = y.view(*topk_ids.shape, -1).to(x.dtype)
+    return fused.weighted_slot_sum(y, topk_weights) if reduce else y
 
 
 def gathered_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                     topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+                     topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                     reduce: bool = True) -> torch.Tensor:
     """The same without grouped GEMMs and without a host sync: each (token, slot) pair's
     expert weights gathered, one batched matmul per projection. Moves T·k copies of an
     expert: for CUDA where torch._grouped_mm does not run (fp32 checks on small models) so
@@ -47,7 +51,8 @@ def gathered_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     xs = x.repeat_interleave(k, dim=0)  # [T·k, H]; pair p is token p // k
     gu = torch.bmm(gate_up[flat], xs[:, :, None])[..., 0]  # [T·k, 2I]
     y = torch.bmm(down[flat], fused.silu_mul(gu)[:, :, None])[..., 0]  # [T·k, H]
-    return fused.weighted_slot_sum(y.view(tokens, k, -1), topk_weights).to(x.dtype)
+    y = y.view(tokens, k, -1).to(x.dtype)
+    return fused.weighted_slot_sum(y, topk_weights) if reduce else y
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:

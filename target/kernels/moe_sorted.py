@@ -124,15 +124,16 @@ def sorted_experts_available(x: torch.Tensor) -> bool:
 def sorted_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                    topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                    gate_up_blocks: SortedBlocks | None = None,
-                   down_blocks: SortedBlocks | None = None) -> torch.Tensor:
+                   down_blocks: SortedBlocks | None = None, reduce: bool = True) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; topk_ids
-    (integer) / topk_weights [T, k]. Returns [T, H] in x's dtype. Any strides. The block
-    overrides (benchmarks) replace sorted_blocks' choice for each kernel."""
+    (integer) / topk_weights [T, k]. Returns [T, H] in x's dtype (reduce False: each slot's
+    row, [T, k, H]). Any strides. The block overrides (benchmarks) replace sorted_blocks'
+    choice for each kernel."""
     tokens, hidden, inter, k = expert_sizes("sorted_experts", _interpreted(), x, gate_up,
                                             down, topk_ids, topk_weights)
     num_experts, pairs = gate_up.shape[0], tokens * k
     if pairs == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if reduce else x.new_zeros(tokens, k, hidden)
     gb = gate_up_blocks or sorted_blocks(inter, hidden)
     db = down_blocks or sorted_blocks(hidden, inter)
     sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, BLOCK_M)
@@ -151,7 +152,8 @@ def sorted_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         h, down, sorted_pairs, block_expert, y, pairs, hidden, inter, *down.stride(),
         BLOCK_M=BLOCK_M, BLOCK_N=db.block_n, BLOCK_K=db.block_k, UPCAST=upcast,
         PRECISION=precision, num_warps=db.num_warps, num_stages=db.num_stages)
-    return fused.weighted_slot_sum(y.view(tokens, k, hidden), topk_weights)
+    y = y.view(tokens, k, hidden)
+    return fused.weighted_slot_sum(y, topk_weights) if reduce else y
 
 
 def _interpreted() -> bool:

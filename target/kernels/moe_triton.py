@@ -105,15 +105,16 @@ def expert_sizes(name: str, interpreted: bool, x: torch.Tensor, gate_up: torch.T
 def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  gate_up_blocks: PairBlocks | None = None,
-                 down_blocks: PairBlocks | None = None) -> torch.Tensor:
+                 down_blocks: PairBlocks | None = None, reduce: bool = True) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; topk_ids
-    (integer) / topk_weights [T, k]. Returns [T, H] in x's dtype. Any strides. The block
-    overrides (benchmarks) replace pair_blocks' choice for each kernel."""
+    (integer) / topk_weights [T, k]. Returns [T, H] in x's dtype (reduce False: each slot's
+    row, [T, k, H], as grouped_experts gives it). Any strides. The block overrides
+    (benchmarks) replace pair_blocks' choice for each kernel."""
     tokens, hidden, inter, k = expert_sizes("pair_experts", _interpreted(), x, gate_up, down,
                                             topk_ids, topk_weights)
     pairs = tokens * k
     if pairs == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if reduce else x.new_zeros(tokens, k, hidden)
     gb = gate_up_blocks or pair_blocks(hidden)
     db = down_blocks or pair_blocks(inter)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]; pair p = t·k + j
@@ -126,7 +127,8 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         h, down, topk_ids, y, k, hidden, inter,
         *down.stride(), *topk_ids.stride(),
         BLOCK_N=db.block_n, BLOCK_K=db.block_k, num_warps=db.num_warps)
-    return fused.weighted_slot_sum(y.view(tokens, k, hidden), topk_weights)
+    y = y.view(tokens, k, hidden)
+    return fused.weighted_slot_sum(y, topk_weights) if reduce else y
 
 
 def _interpreted() -> bool:

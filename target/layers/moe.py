@@ -72,14 +72,25 @@ class FusedExperts(nn.Module):
         expect_shape(src, (self.hidden, self.full_inter))
         copy_into(param.data[expert], src.read(slice(None), r), src)
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-        # x [T, H]; topk_ids/topk_weights [T, k].
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None):
+        """x [T, H]; topk_ids/topk_weights [T, k] → the routed output [T, H]. With `shared`
+        [T, H] and its `shared_gate` logit [T, 1], the shared expert's part is added as
+        fused.shared_expert_combine adds it: on the kernel paths in the same compiled graph
+        as the slots' weighted sum (fused.moe_combine)."""
         kernel = self.kernel if self.kernel != "auto" else self._auto(x, topk_ids.numel())
         if kernel == "reference":
-            return self.reference(x, topk_ids, topk_weights)
+            routed = self.reference(x, topk_ids, topk_weights)
+            if shared is None:
+                return routed
+            return fused.shared_expert_combine(routed, shared, shared_gate)
         fn = {"pairs": pair_experts, "sorted": sorted_experts, "grouped": grouped_experts,
               "gathered": gathered_experts}
-        return fn[kernel](x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+        rows = fn[kernel](x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights,
+                          reduce=False)  # [T, k, H]
+        if shared is None:
+            return fused.weighted_slot_sum(rows, topk_weights)
+        return fused.moe_combine(rows, topk_weights, shared, shared_gate)
 
     @staticmethod
     def _auto(x: torch.Tensor, pairs: int) -> str:
@@ -140,9 +151,8 @@ class SparseMoE(nn.Module):
                                             self.shared_expert_gate(x))
         route = route_topk if self.routing == "triton" else fused.moe_route
         topk_weights, topk_ids = route(logits, self.top_k, x.dtype)  # [T, k]
-        routed = self.experts(x, topk_ids, topk_weights)
         shared = self.shared_expert.down_proj(fused.silu_mul(gate_up))
-        out = fused.shared_expert_combine(routed, shared, shared_gate)
+        out = self.experts(x, topk_ids, topk_weights, shared, shared_gate)
         return all_reduce(out, self.tp)
 
 

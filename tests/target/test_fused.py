@@ -38,6 +38,7 @@ def cases(device: str):
         (fused.moe_route, (r(t, 8), 2, torch.bfloat16)),
         (fused.silu_mul, (r(t, 2 * h),)),
         (fused.shared_expert_combine, (r(t, h), r(t, h), r(t, 1))),
+        (fused.moe_combine, (r(t, 4, h), r(t, 4).softmax(-1), r(t, h), r(t, 1))),
         (fused.weighted_slot_sum, (r(t, 4, h), r(t, 4).softmax(-1))),
         (fused.sigmoid_gate, (r(t, h), r(t, h))),
         (fused.qk_norm_rope, (r(t, 4, 32), r(t, 2, 32), r(32) * 0.1, r(32) * 0.1, 1e-6,

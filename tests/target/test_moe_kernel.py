@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from target.kernels import fused
 from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
 
 E, H, INTER, K = 8, 64, 32, 2
@@ -55,6 +56,10 @@ def test_fused_experts_equal_the_reference(tokens, kind, dtype, tol, kernel):
     assert got.dtype == dtype and got.shape == x.shape
     err = (got.double() - want).norm() / want.norm()
     assert err < tol
+    # reduce=False: the slots' rows, which the shared weighted sum turns into the same bits
+    rows = kernel(x, gate_up, down, ids, w.to(dtype), reduce=False)
+    assert rows.shape == (tokens, K, H) and rows.dtype == dtype
+    assert torch.equal(fused.weighted_slot_sum(rows, w.to(dtype)), got)
 
 
 def test_the_moe_layer_takes_either_path_with_the_same_result(tiny_models):

@@ -15,7 +15,7 @@ import torch
 import triton_child
 from moe_cases import problem, reference, rel_err, strided
 
-from target.kernels import moe_sorted
+from target.kernels import fused, moe_sorted
 from target.kernels.moe import grouped_experts, grouped_mm_available
 from target.kernels.moe_sorted import (
     BLOCK_M,
@@ -81,7 +81,9 @@ def consistency(device: str, tokens: int = 5, k: int = 4, experts: int = 8,
     other = pair_experts(x, gate_up, down, ids, w)
     big = torch.maximum(got.abs(), other.abs()).float().clamp_min(1e-30)
     spacing = torch.exp2(torch.floor(torch.log2(big))) * torch.finfo(dtype).eps
+    rows = sorted_experts(x, gate_up, down, ids, w, reduce=False)  # the layer's call
     return {"token0_alone_equal": bool(torch.equal(alone[0], got[0])),
+            "rows_sum_equal": bool(torch.equal(fused.weighted_slot_sum(rows, w), got)),
             "batch_mismatches": int((got != alone).sum()),
             "pairs_equal": (got == other).float().mean().item(),
             "pairs_max_ulps": ((got.float() - other.float()).abs() / spacing).max().item()}
@@ -109,7 +111,7 @@ def test_a_token_gets_the_same_bits_alone_and_in_a_batch(interpreted):
     launch shape does not change with the step's size: a token's routed output is bit for bit
     the same alone or inside a batch, and close to the pair GEMVs' (summation order only)."""
     got = interpreted["consistency"] if interpreted is not None else consistency("cuda")
-    assert got["token0_alone_equal"], got
+    assert got["token0_alone_equal"] and got["rows_sum_equal"], got
     assert got["batch_mismatches"] == 0, got
     assert got["pairs_equal"] > 0.9, got
     assert got["pairs_max_ulps"] <= 4, got

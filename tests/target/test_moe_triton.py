@@ -15,6 +15,7 @@ from moe_cases import problem, reference, rel_err, strided
 
 triton = pytest.importorskip("triton")
 
+from target.kernels import fused  # noqa: E402
 from target.kernels.moe import grouped_experts, grouped_mm_available  # noqa: E402
 from target.kernels.moe_triton import (  # noqa: E402
     PairBlocks,
@@ -67,7 +68,9 @@ def consistency(device: str, tokens: int = 6, k: int = 4, experts: int = 8,
     got = pair_experts(x, gate_up, down, ids, w)
     alone = torch.cat([pair_experts(x[i : i + 1], gate_up, down, ids[i : i + 1], w[i : i + 1])
                        for i in range(tokens)])
-    out = {"batch_mismatches": int((got != alone).sum())}
+    rows = pair_experts(x, gate_up, down, ids, w, reduce=False)  # the layer's call
+    out = {"batch_mismatches": int((got != alone).sum()),
+           "rows_sum_equal": bool(torch.equal(fused.weighted_slot_sum(rows, w), got))}
     if device == "cpu" or grouped_mm_available(x):
         other = grouped_experts(x, gate_up, down, ids, w)
         big = torch.maximum(got.abs(), other.abs()).float().clamp_min(1e-30)
@@ -112,6 +115,7 @@ def test_a_token_gets_the_same_bits_alone_and_in_a_batch_and_matches_grouped(int
     the same decoded alone or inside a verify block, and (but for the GEMMs' summation order)
     the same on the grouped path that larger steps take."""
     got = interpreted["consistency"] if interpreted is not None else consistency("cuda")
+    assert got["rows_sum_equal"], got
     assert got["batch_mismatches"] == 0
     if "grouped_equal" in got:
         assert got["grouped_equal"] > 0.95, got
