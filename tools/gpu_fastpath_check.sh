@@ -29,7 +29,7 @@ parts=${*:-tests profile golden bench}
 
 for part in $parts; do case $part in
 tests)
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+  timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
     --tb=short --continue-on-collection-errors -m gpu tests/target tests/workers tests/draft \
     tests/cluster/test_gpu_cluster.py -k "not ray" > "$OUT/gpu_tests.txt" 2>&1
   tail -12 "$OUT/gpu_tests.txt" ;;
