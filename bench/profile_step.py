@@ -5,9 +5,10 @@ the draft's proposal (the same steps bench/engine.py times), on the random-weigh
         --out prof.txt
 
 Per step it appends the operator table (top ops by device time, then by host time) to --out
-and prints
-wall ms, summed kernel ms and kernel launches per step: a step whose kernels add up to much
-less than its wall time is bound by the host (launches, syncs, Python), not by the GPU."""
+and prints wall ms, summed kernel ms, kernel launches per step (host launches: one per
+replayed graph) and the kernels the device ran, in all and by kind (GEMMs, the engine's
+Triton kernels, compiled chains, fla, torch's own small ops): a step whose kernels add up to
+much less than its wall time is bound by the host (launches, syncs, Python), not by the GPU."""
 
 from __future__ import annotations
 
@@ -23,6 +24,37 @@ from bench.floors import sync
 from bench.random_model import add_kernel_args, build_draft, build_target, set_kernels
 from configs.presets import draft_preset, target_preset
 from draft.proposer import DraftRunner
+
+# Kernel names → what they are, first match wins (the profile's own names: cuBLAS's nvjet and
+# cutlass GEMMs, the engine's Triton kernels, Inductor's compiled chains, fla, torch's own).
+KERNEL_KINDS = (
+    ("gemm", ("nvjet", "gemm", "cutlass", "cublas", "splitkreduce", "dot_kernel", "gemv")),
+    ("engine triton", ("_gate_up_kernel", "_down_kernel", "_route_kernel", "_groups_kernel",
+                       "_place_kernel", "_recurrent_slots_kernel", "_split_kernel",
+                       "_merge_kernel")),
+    ("compiled chains", ("triton_",)),
+    ("fla", ("gated_delta", "chunk_", "fused_recurrent")),
+    ("copies", ("memcpy", "memset")),
+    ("torch index/gather", ("index", "gather", "scatter", "catarray", "cat_")),
+    ("torch elementwise/reduce", ("elementwise", "reduce", "softmax", "topk", "sort",
+                                  "fill", "arange")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
+
+
+def kernels_by_kind(kernels: list[tuple[str, int, float]], steps: int) -> dict[str, dict]:
+    """(name, calls, device µs) of every kernel → per kind: launches and ms per step, the
+    "fewer, fuller kernels" view of a step."""
+    out: dict[str, dict] = {}
+    for name, calls, us in kernels:
+        k = out.setdefault(kernel_kind(name), {"launches": 0.0, "ms": 0.0})
+        k["launches"] += calls / steps
+        k["ms"] += us / steps / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
 
 
 def profile_step(name: str, fn, device: torch.device, steps: int, out: str | None) -> dict:
@@ -43,8 +75,12 @@ def profile_step(name: str, fn, device: torch.device, steps: int, out: str | Non
                                                         "cudaLaunchKernelExC")) / steps
     syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize",
                                                     "cudaDeviceSynchronize")) / steps
+    kernels = [(e.key, e.count, e.self_device_time_total) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total]
     row = {"step": name, "wall_ms": wall * 1e3, "kernel_ms": kernel_us / 1e3,
-           "launches": launches, "host_syncs": syncs}
+           "launches": launches, "host_syncs": syncs,
+           "kernels": sum(c for _, c, _ in kernels) / steps,
+           "by_kind": kernels_by_kind(kernels, steps)}
     if out:
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n\n")

@@ -191,3 +191,22 @@ def test_runner_overhead_bench_times_every_runner_call():
                                  "--contexts", "64", "--iters", "2"])
     assert [(r["batch"], r["width"]) for r in rows] == [(1, 1), (1, 4), (3, 1), (3, 4)]
     assert all(r[k] > 0 for r in rows for k in ("verify_us", "write_context_us", "propose_us"))
+
+
+def test_profile_step_sorts_kernels_by_kind():
+    """bench/profile_step.py's per-kind view of a step's kernels, over names as the CUDA
+    profiler gives them."""
+    from bench.profile_step import kernel_kind, kernels_by_kind
+
+    names = {"nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
+             "_gate_up_kernel": "engine triton", "_recurrent_slots_kernel": "engine triton",
+             "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "compiled chains",
+             "fused_recurrent_gated_delta_rule_fwd_kernel": "fla",
+             "void at::native::index_elementwise_kernel<128, 4>": "torch index/gather",
+             "void at::native::vectorized_elementwise_kernel<8>": "torch elementwise/reduce",
+             "Memcpy DtoD (Device -> Device)": "copies", "something_else": "other"}
+    assert {n: kernel_kind(n) for n in names} == names
+    kinds = kernels_by_kind([("_down_kernel", 80, 700.0), ("nvjet_x", 40, 400.0),
+                             ("triton_poi_fused_mul_silu_0", 40, 80.0)], steps=2)
+    assert list(kinds) == ["engine triton", "gemm", "compiled chains"]  # by device time
+    assert kinds["engine triton"] == {"launches": 40.0, "ms": 0.35}
