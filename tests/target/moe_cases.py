@@ -1,6 +1,6 @@
 """What the Triton routed-expert tests share (test_moe_triton.py, test_moe_sorted.py): the
-fp64 per-expert reference, a problem's tensors, the relative error, and the same tensors
-through non-contiguous views."""
+fp64 per-expert reference, a problem's tensors, the relative error, the same tensors through
+non-contiguous views, and one case's error."""
 
 from __future__ import annotations
 
@@ -44,3 +44,20 @@ def strided(x, gate_up, down, ids, w):
     down = down.transpose(1, 2).contiguous().transpose(1, 2)
     x = torch.stack([x, x], dim=-1)[..., 0]
     return x, gate_up, down, ids.T.contiguous().T, w.T.contiguous().T
+
+
+def case_error(fn, case: tuple, dtype: torch.dtype, device: str, blocks: dict) -> float:
+    """fn's (an expert path's) relative error against the reference on one case: (tokens, k,
+    experts, hidden, inter, ids or None for random distinct, extra). extra "blocks" passes
+    `blocks` (its launch-shape overrides); "strided" runs on non-contiguous views."""
+    tokens, k, experts, hidden, inter, ids, extra = case
+    ids = None if ids is None else torch.tensor(ids, device=device)
+    x, gate_up, down, ids, w = problem(tokens, k, experts, hidden, inter, dtype, device,
+                                       ids=ids)
+    want = reference(x, gate_up, down, ids, w)
+    if extra == "strided":
+        x, gate_up, down, ids, w = strided(x, gate_up, down, ids, w)
+    got = fn(x, gate_up, down, ids, w, **(blocks if extra == "blocks" else {}))
+    assert got.dtype == x.dtype and got.shape == x.shape
+    return rel_err(got, want)
+

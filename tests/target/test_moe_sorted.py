@@ -10,10 +10,11 @@ as a script (tests/target/triton_child.py says why)."""
 
 import json
 
+import moe_cases
 import pytest
 import torch
 import triton_child
-from moe_cases import problem, reference, rel_err, strided
+from moe_cases import problem, reference, rel_err
 
 from target.kernels import fused, moe_sorted
 from target.kernels.moe import grouped_experts, grouped_mm_available
@@ -48,20 +49,9 @@ CASES = {
 
 def case_error(name: str, dtype: str, device: str) -> float:
     """sorted_experts' relative error against the reference on CASES[name]."""
-    tokens, k, experts, hidden, inter, ids, extra = CASES[name]
-    ids = None if ids is None else torch.tensor(ids, device=device)
-    x, gate_up, down, ids, w = problem(tokens, k, experts, hidden, inter, DTYPES[dtype],
-                                       device, ids=ids)
-    want = reference(x, gate_up, down, ids, w)
-    kw = {}
-    if extra == "blocks":
-        kw = dict(gate_up_blocks=SortedBlocks(16, 32, 2, 2),
-                  down_blocks=SortedBlocks(32, 16, 1, 1))
-    elif extra == "strided":
-        x, gate_up, down, ids, w = strided(x, gate_up, down, ids, w)
-    got = sorted_experts(x, gate_up, down, ids, w, **kw)
-    assert got.dtype == x.dtype and got.shape == x.shape
-    return rel_err(got, want)
+    return moe_cases.case_error(sorted_experts, CASES[name], DTYPES[dtype], device,
+                                dict(gate_up_blocks=SortedBlocks(16, 32, 2, 2),
+                                     down_blocks=SortedBlocks(32, 16, 1, 1)))
 
 
 def consistency(device: str, tokens: int = 5, k: int = 4, experts: int = 8,
