@@ -61,3 +61,17 @@ def case_error(fn, case: tuple, dtype: torch.dtype, device: str, blocks: dict) -
     assert got.dtype == x.dtype and got.shape == x.shape
     return rel_err(got, want)
 
+
+def check_graph_replay(fn, x, gate_up, down, ids, w) -> None:
+    """fn captured in a CUDA graph with one routing, replayed with another copied into the
+    same buffers: the replay's output equals an eager call's, bit for bit (real sizes)."""
+    x2, _, _, ids2, w2 = problem(x.shape[0], ids.shape[1], gate_up.shape[0], x.shape[1],
+                                 down.shape[2], x.dtype, "cuda", seed=1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x, gate_up, down, ids, w)
+    for dst, src in ((x, x2), (ids, ids2), (w, w2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.testing.assert_close(out, fn(x2, gate_up, down, ids2, w2), rtol=0, atol=0)
+
