@@ -120,7 +120,9 @@ if triton is not None:
         for k0 in range(start, hi, BLOCK_N):
             keys = k0 + tl.arange(0, BLOCK_N)
             k_ok = keys < hi
-            page = tl.load(Tables + s * stride_tb + keys // PAGE, mask=k_ok, other=0)
+            # int64: page · stride_kb passes 2^31 elements in a large pool (the scratch pages
+            # of captured graphs sit at its top)
+            page = tl.load(Tables + s * stride_tb + keys // PAGE, mask=k_ok, other=0).to(tl.int64)
             off = keys % PAGE
             kv_ok = k_ok[:, None] & d_ok[None, :]
             k = tl.load(K + page[:, None] * stride_kb + off[:, None] * stride_kp
