@@ -63,7 +63,9 @@ def time_calls(calls: list[Callable], device: torch.device, iters: int) -> dict[
 
 
 def bench_tokens(tokens: int, sizes: dict, weights: tuple, device: torch.device,
-                 dtype: torch.dtype, iters: int, pool_size: int) -> list[dict]:
+                 dtype: torch.dtype, iters: int, pool_size: int,
+                 kinds: tuple[str, ...] = ("pair", "sorted", "grouped"),
+                 default_shapes: bool = False) -> list[dict]:
     from target.kernels.moe import grouped_experts, grouped_mm_available
     from target.kernels.moe_sorted import SortedBlocks, sorted_experts
     from target.kernels.moe_triton import PairBlocks, pair_experts
@@ -81,17 +83,19 @@ def bench_tokens(tokens: int, sizes: dict, weights: tuple, device: torch.device,
     nbytes = distinct * 3 * inter * hidden * gate_up.element_size()
 
     methods = []
-    for cfg in CONFIGS:
+    configs = [None] if default_shapes else CONFIGS
+    sorted_configs = [None] if default_shapes else SORTED_CONFIGS
+    for cfg in configs if "pair" in kinds else []:
         kw = {} if cfg is None else dict(gate_up_blocks=PairBlocks(*cfg[0]),
                                          down_blocks=PairBlocks(*cfg[1]))
         name = "auto" if cfg is None else "/".join("x".join(map(str, c)) for c in cfg)
         methods.append(("pair", name, make_calls(pair_experts, pool, gate_up, down, **kw)))
-    for cfg in SORTED_CONFIGS:
+    for cfg in sorted_configs if "sorted" in kinds else []:
         kw = {} if cfg is None else dict(gate_up_blocks=SortedBlocks(*cfg[0]),
                                          down_blocks=SortedBlocks(*cfg[1]))
         name = "auto" if cfg is None else "/".join("x".join(map(str, c)) for c in cfg)
         methods.append(("sorted", name, make_calls(sorted_experts, pool, gate_up, down, **kw)))
-    if grouped_mm_available(pool[0][0]) or device.type == "cpu":
+    if "grouped" in kinds and (grouped_mm_available(pool[0][0]) or device.type == "cpu"):
         methods.append(("grouped", "-", make_calls(grouped_experts, pool, gate_up, down)))
 
     want = methods[-1][2][0]().double()  # grouped where it runs, else the last sorted config
@@ -125,7 +129,11 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke check)")
     p.add_argument("--tokens", type=int, nargs="+", help="token counts (default per size)")
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--out", help="JSON file for the results")
+    p.add_argument("--kinds", nargs="+", choices=["pair", "sorted", "grouped"],
+                   default=["pair", "sorted", "grouped"], help="the kernels to time")
+    p.add_argument("--default-shapes", action="store_true",
+                   help="each kernel at its default launch shape only")
+    p.add_argument("--out", help="JSON file for the results (rewritten after each count)")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -146,14 +154,16 @@ def main() -> None:
                torch.randn(e, h, i, device=device, dtype=dtype) * i**-0.5)
     rows = []
     for t in tokens:
-        rows += bench_tokens(t, sizes, weights, device, dtype, iters, pool)
+        rows += bench_tokens(t, sizes, weights, device, dtype, iters, pool, tuple(args.kinds),
+                             args.default_shapes)
         print(f"T={t} done", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(device)
+                           if device.type == "cuda" else "cpu", "dtype": str(dtype),
+                           "sizes": sizes, "pool": pool, "copy_gb_s": round(copy_gb_s, 1),
+                           "rows": rows}, f, indent=1)
     print(table(rows, copy_gb_s))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(device) if device.type == "cuda"
-                       else "cpu", "dtype": str(dtype), "sizes": sizes, "pool": pool,
-                       "copy_gb_s": round(copy_gb_s, 1), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

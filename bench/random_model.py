@@ -14,11 +14,9 @@ from torch import nn
 
 from configs.kernels import (
     ATTENTION_BACKENDS,
-    ATTENTION_INPUTS,
     GDN_RECURRENCE,
     GDN_ROUNDS,
     MOE_BACKENDS,
-    MOE_INPUTS,
     MOE_ROUTING,
     KernelConfig,
 )
@@ -93,14 +91,10 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
                    help="decode, rounds and draft blocks: EngineConfig.attention_backend")
     p.add_argument("--moe", choices=MOE_BACKENDS, default="auto",
                    help="routed-expert kernel: EngineConfig.moe_backend")
-    p.add_argument("--moe-inputs", choices=MOE_INPUTS, default="separate",
-                   help="router, shared expert gate/up and its gate as one GEMM or three")
-    p.add_argument("--attention-inputs", choices=ATTENTION_INPUTS, default="separate",
-                   help="q/gate, k and v as one GEMM or three")
-    p.add_argument("--moe-routing", choices=MOE_ROUTING, default="torch",
+    p.add_argument("--moe-routing", choices=MOE_ROUTING, default="auto",
                    help="the router's softmax/top-k: compiled torch or one Triton kernel")
     p.add_argument("--gdn-rounds", choices=GDN_ROUNDS, default="batched")
-    p.add_argument("--gdn-recurrence", choices=GDN_RECURRENCE, default="fla",
+    p.add_argument("--gdn-recurrence", choices=GDN_RECURRENCE, default="auto",
                    help="rounds' recurrence on gathered states (fla) or in place by slot")
     p.add_argument("--no-fuse", action="store_true",
                    help="leave the elementwise chains uncompiled (target/kernels/fused.py; the "
@@ -111,10 +105,9 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
 
 def kernel_config(args: argparse.Namespace, variant: str = "") -> KernelConfig:
     """The kernels add_kernel_args chose, with a variant's changes: "field=value[,…]" over
-    KernelConfig's fields (e.g. "moe=sorted", "moe_inputs=fused,moe=pairs"; "" for none)."""
-    kernels = KernelConfig(attention=args.attention, moe=args.moe, moe_inputs=args.moe_inputs,
+    KernelConfig's fields (e.g. "moe=sorted", "moe=pairs,moe_routing=torch"; "" for none)."""
+    kernels = KernelConfig(attention=args.attention, moe=args.moe,
                            moe_routing=args.moe_routing, gdn_rounds=args.gdn_rounds,
-                           attention_inputs=args.attention_inputs,
                            gdn_recurrence=args.gdn_recurrence,
                            compile_elementwise=False if args.no_fuse else None)
     changes = dict(item.split("=", 1) for item in variant.split(",") if item)

@@ -6,7 +6,7 @@ the choice it was given: nothing is switched per class or per process by a bench
 
 "auto" resolves per device and, for the routed experts, per step size (FusedExperts): the
 defaults are the paths measured fastest on the H200 (docs/BENCHMARKS.md); the others are the
-references the tests compare against, or alternatives kept until a GPU run decides them."""
+references the tests compare against and the CPU paths."""
 
 from __future__ import annotations
 
@@ -21,27 +21,22 @@ import torch
 # with either.
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 # The routed experts (target/layers/moe.py FusedExperts): "auto" takes, on CUDA, the Triton
-# pair GEMVs up to PAIR_MAX (token, slot) pairs and grouped GEMMs above (gathered weights
-# where torch._grouped_mm does not run), and the per-expert loop on CPU; the others force one
-# path for every step size. "sorted" (pairs sorted by expert, block-aligned: each touched
-# expert's weights read once per block of its pairs) is not part of "auto" until a GPU run
-# has measured it against pairs and grouped (docs/BENCHMARKS.md).
+# pair GEMVs up to PAIR_MAX (token, slot) pairs (small decode steps), the sorted-pair block
+# GEMMs up to SORTED_MAX (pairs sorted by expert, block-aligned: each touched expert's
+# weights read once per block of its pairs), and grouped GEMMs above that or where Triton
+# does not run (gathered weights where torch._grouped_mm does not); the per-expert loop on
+# CPU. The others force one path for every step size: the references the tests compare
+# against.
 MOE_BACKENDS = ("auto", "pairs", "sorted", "grouped", "gathered", "reference")
-# The router, the shared expert's gate/up and its gate read the same x: three GEMMs
-# ("separate") or one over their stacked weights ("fused"; not yet measured on a GPU).
-MOE_INPUTS = ("separate", "fused")
-# q (with its output gate), k and v of a full-attention layer read the same x: three GEMMs
-# ("separate") or one over their stacked weights ("fused"; not yet measured on a GPU).
-ATTENTION_INPUTS = ("separate", "fused")
-# The router's softmax → top-k → renormalise: "torch" (fused.moe_route: compiled, with
-# torch.topk's kernels beside it) or "triton" (target/kernels/moe_route.py: one kernel; not
-# yet measured on a GPU).
-MOE_ROUTING = ("torch", "triton")
-# The Gated DeltaNet recurrence of batched rounds and their commit: "fla" (fla's kernel on
-# the states gathered out of the cache, scattered back; the torch reference off CUDA) or
-# "slots" (target/kernels/gdn_slots.py: the states read and written in place by slot; not yet
-# measured on a GPU).
-GDN_RECURRENCE = ("fla", "slots")
+# The router's softmax → top-k → renormalise: "triton" (target/kernels/moe_route.py: one
+# kernel) or "torch" (fused.moe_route: compiled, with torch.topk's kernels beside it); "auto"
+# is triton where Triton runs (CUDA), torch elsewhere.
+MOE_ROUTING = ("auto", "torch", "triton")
+# The Gated DeltaNet recurrence of batched rounds and their commit: "slots"
+# (target/kernels/gdn_slots.py: the states read and written in place by slot) or "fla" (fla's
+# kernel on the states gathered out of the cache, scattered back; the torch reference off
+# CUDA); "auto" is slots where Triton runs (CUDA), fla elsewhere.
+GDN_RECURRENCE = ("auto", "fla", "slots")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -61,15 +56,25 @@ def _check_triton(what: str, module, device: torch.device | str) -> None:
                          f"not {device}")
 
 
+def _triton_or(value: str, name: str, module, device: torch.device | str, other: str,
+               triton_name: str = "triton") -> str:
+    """A choice between a Triton kernel and `other`: "auto" takes the kernel on CUDA (never
+    the interpreter: that is for tests that ask for it); the kernel asked for is checked."""
+    if value == "auto":
+        device = torch.device(device)
+        return triton_name if device.type == "cuda" and module.triton is not None else other
+    if value == triton_name:
+        _check_triton(f"{name} {value!r}", module, device)
+    return value
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     attention: str = "auto"  # ATTENTION_BACKENDS
     moe: str = "auto"  # MOE_BACKENDS
-    moe_inputs: str = "separate"  # MOE_INPUTS
-    moe_routing: str = "torch"  # MOE_ROUTING
-    attention_inputs: str = "separate"  # ATTENTION_INPUTS
+    moe_routing: str = "auto"  # MOE_ROUTING
     gdn_rounds: str = "batched"  # GDN_ROUNDS
-    gdn_recurrence: str = "fla"  # GDN_RECURRENCE
+    gdn_recurrence: str = "auto"  # GDN_RECURRENCE
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
     # functions are shared by every model in the process.
@@ -78,9 +83,7 @@ class KernelConfig:
     def __post_init__(self) -> None:
         _check("attention_backend", self.attention, ATTENTION_BACKENDS)
         _check("moe_backend", self.moe, MOE_BACKENDS)
-        _check("moe_inputs", self.moe_inputs, MOE_INPUTS)
         _check("moe_routing", self.moe_routing, MOE_ROUTING)
-        _check("attention_inputs", self.attention_inputs, ATTENTION_INPUTS)
         _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
         _check("gdn_recurrence", self.gdn_recurrence, GDN_RECURRENCE)
 
@@ -110,21 +113,19 @@ class KernelConfig:
         return self.moe
 
     def routing_kernel(self, device: torch.device | str) -> str:
-        """moe_routing, checked against the device: "triton" needs Triton and CUDA (or
-        TRITON_INTERPRET=1)."""
+        """moe_routing resolved on this device: "triton" (needs Triton and CUDA, or
+        TRITON_INTERPRET=1) or "torch"."""
         from target.kernels import moe_route
 
-        if self.moe_routing == "triton":
-            _check_triton("moe_routing 'triton'", moe_route, device)
-        return self.moe_routing
+        return _triton_or(self.moe_routing, "moe_routing", moe_route, device, "torch")
 
     def recurrence_kernel(self, device: torch.device | str) -> str:
-        """gdn_recurrence, checked against the device as routing_kernel is."""
+        """gdn_recurrence resolved on this device: "slots" (as routing_kernel's triton) or
+        "fla"."""
         from target.kernels import gdn_slots
 
-        if self.gdn_recurrence == "slots":
-            _check_triton("gdn_recurrence 'slots'", gdn_slots, device)
-        return self.gdn_recurrence
+        return _triton_or(self.gdn_recurrence, "gdn_recurrence", gdn_slots, device, "fla",
+                          triton_name="slots")
 
     def round_attention(self, device: torch.device | str, graphs: bool) -> str:
         """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";

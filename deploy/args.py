@@ -89,7 +89,8 @@ class ServeArgs:
         "pages read in place), torch (pages gathered), or auto (triton on CUDA)")
     moe_backend: str = arg(
         "auto", "the routed experts' kernel: auto (on CUDA Triton GEMVs per token-expert pair "
-        "for small steps, grouped GEMMs above; on CPU a loop over experts), or one of pairs, "
+        "for the smallest steps, sorted-pair block GEMMs for verify rounds and short chunks, "
+        "grouped GEMMs for long prefill chunks; on CPU a loop over experts), or one of pairs, "
         "sorted, grouped, gathered, reference for every step")
     shutdown_grace_s: float = arg(
         DEFAULT_SHUTDOWN_GRACE_S, "on SIGTERM or Ctrl-C: seconds the requests in flight may "

@@ -76,13 +76,10 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         recurrence = kernels.recurrence_kernel(device)
         experts = kernels.experts_kernel(device)
         for m in self.modules():
-            if isinstance(m, GatedAttention):
-                m.fused_inputs = kernels.attention_inputs == "fused"
-            elif isinstance(m, GatedDeltaNet):
+            if isinstance(m, GatedDeltaNet):
                 m.batched_rounds = kernels.gdn_rounds == "batched"
                 m.recurrence = recurrence
             elif isinstance(m, SparseMoE):
-                m.fused_inputs = kernels.moe_inputs == "fused"
                 m.routing = routing
                 m.experts.kernel = experts
         fused.enable(kernels.compiles_elementwise(graphs))

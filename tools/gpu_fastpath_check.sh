@@ -13,8 +13,8 @@
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
 #   variants bench/engine.py at batch 1 and 8, B = 16, in one process: the default kernels, then
-#            each kernel variant still to be decided (VARIANTS, KernelConfig fields), then
-#            the defaults again (the same-run spread)
+#            each kernel variant (VARIANTS, KernelConfig fields; by default the paths the
+#            defaults replaced), then the defaults again (the same-run spread)
 # Usage: pip download --no-deps -d .whl flash-linear-attention fla-core   (on a machine with pip)
 #        pip download --no-deps dflash==0.1.0 -d .whl   (the tests' reference draft)
 #        OUT=/some/dir bash tools/gpu_fastpath_check.sh [tests profile golden bench]
@@ -74,7 +74,7 @@ variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
     --prompt-len 512 --iters 10 --warmup 3 \
-    --variants ${VARIANTS:-moe=sorted moe_routing=triton gdn_recurrence=slots moe_inputs=fused attention_inputs=fused moe=auto} \
+    --variants ${VARIANTS:-moe=sorted moe=grouped moe_routing=torch gdn_recurrence=fla moe=auto} \
     --out "$OUT/engine_variants.json" 2>&1 | tee "$OUT/engine_variants.log" \
     | grep -v "falling back" | tail -12 ;;
 esac; done

@@ -60,11 +60,13 @@ class PairBlocks:
 # 2, 194 against 202 at 16). ptxas for sm90 (Triton 3.9, bf16): gate_up 134 registers, no
 # spills; 16-byte weight loads.
 _BLOCK_N, _BLOCK_K, _NUM_WARPS = 16, 256, 4
-# Most (token, slot) pairs FusedExperts sends here rather than to the grouped GEMMs: decode up
-# to batch 32 and a 16-token verify at batch 1 and 2 (8 experts per token on Qwen3.5-35B-A3B).
-# bench/moe_kernel.py on an H200 (2026-12-04, CUDA graphs; 16×256 shape): pairs 28 µs against
-# grouped 81 at 1 token, 194 against 293 at 16, 346 against 444 at 32.
-PAIR_MAX = 256
+# The most (token, slot) pairs FusedExperts sends here rather than to the sorted-pair block
+# GEMMs (target/kernels/moe_sorted.py): decode at batch 1 and 2 (8 experts per token on
+# Qwen3.5-35B-A3B). bench/moe_kernel.py on an H200 (2026-12-05, CUDA graphs, default shapes):
+# pairs 70 against sorted 76 µs at 1 token and 87 against 92 at 2, even at 4 and 8, behind
+# from 12 on (209 against 203; 251 against 234 at 16); bench/engine.py's decode at batch 1
+# took 4.68-4.71 ms with pairs and 4.99-5.01 with sorted (docs/BENCHMARKS.md).
+PAIR_MAX = 16
 
 
 def pair_blocks(depth: int) -> PairBlocks:

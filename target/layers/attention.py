@@ -8,7 +8,6 @@ r // (tp / kv_heads)) when tp > kv heads.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from configs.model import TargetConfig
@@ -16,7 +15,7 @@ from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
 from target.kernels import attention as attn_kernels
 from target.kernels import attention_triton, fused
-from target.layers.linear import ColumnParallelLinear, RowParallelLinear, stack_rows
+from target.layers.linear import ColumnParallelLinear, RowParallelLinear
 from target.layers.norm import RMSNorm
 from target.layers.rotary import RotaryEmbedding
 
@@ -47,19 +46,10 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.rotary = rotary
         self.scale = d**-0.5
-        # q (with its gate), k and v read the same x: their weights are row views of one
-        # tensor, so a step can run them as one GEMM (`fused_inputs`: KernelConfig.
-        # attention_inputs, set by the model's set_kernels; "separate" until measured).
-        qkv, self.qkv_sizes = stack_rows([self.q_proj, self.k_proj, self.v_proj])
-        self.register_buffer("qkv_proj", qkv, persistent=False)
-        self.fused_inputs = False
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: TargetCaches) -> torch.Tensor:
         t = x.shape[0]
-        if self.fused_inputs:  # one GEMM; k and v are column views of its output
-            q, k, v = F.linear(x, self.qkv_proj).split(self.qkv_sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)

@@ -13,7 +13,7 @@ from target.distributed import TPGroup, all_reduce
 from target.kernels import fused
 from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
 from target.kernels.moe_route import route_topk
-from target.kernels.moe_sorted import sorted_experts
+from target.kernels.moe_sorted import SORTED_MAX, sorted_experts, sorted_experts_available
 from target.kernels.moe_triton import PAIR_MAX, pair_experts, pair_experts_available
 from target.layers.linear import (
     ColumnParallelLinear,
@@ -38,10 +38,11 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype), False)
         # configs/kernels.py MOE_BACKENDS, set by the model's set_kernels. "auto": on CUDA, one
-        # Triton GEMV per (token, slot) pair up to PAIR_MAX pairs (decode, small verify),
-        # grouped GEMMs above it where torch._grouped_mm runs fast (sm90+, bf16), gathered
-        # expert weights elsewhere (no host sync: capturable); on CPU the reference loop.
-        # "sorted" (target/kernels/moe_sorted.py) is not in "auto" until measured on a GPU.
+        # Triton GEMV per (token, slot) pair up to PAIR_MAX pairs (small decode steps), the
+        # sorted-pair block GEMMs up to SORTED_MAX (verify rounds, short prefill chunks);
+        # above that, or without Triton, grouped GEMMs where torch._grouped_mm runs fast
+        # (sm90+, bf16) and gathered expert weights elsewhere (no host sync: capturable); on
+        # CPU the reference loop.
         self.kernel = "auto"
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
@@ -96,8 +97,11 @@ class FusedExperts(nn.Module):
     def _auto(x: torch.Tensor, pairs: int) -> str:
         if not x.is_cuda:
             return "reference"
-        if pairs <= PAIR_MAX and pair_experts_available(x):
-            return "pairs"
+        if pair_experts_available(x) and sorted_experts_available(x):
+            if pairs <= PAIR_MAX:
+                return "pairs"
+            if pairs <= SORTED_MAX:
+                return "sorted"
         return "grouped" if grouped_mm_available(x) else "gathered"
 
     def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
@@ -124,12 +128,10 @@ class FusedExperts(nn.Module):
 class SparseMoE(nn.Module):
     """The router, the shared expert's gate/up and its gate all read x: their weights are row
     views of one [E + 2·I_shared/tp + 1, H] tensor (`in_proj`, filled by their own loaders),
-    so a step can run one GEMM for the three (`fused_inputs`: KernelConfig.moe_inputs, set by
-    the model's set_kernels; "separate" until a GPU A/B decides, docs/BENCHMARKS.md)."""
+    and a step runs them as one GEMM."""
 
     def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
-        self.fused_inputs = False
         self.routing = "torch"  # KernelConfig.moe_routing: fused.moe_route, or "triton"
         self.tp = tp
         self.top_k = cfg.num_experts_per_tok
@@ -143,12 +145,8 @@ class SparseMoE(nn.Module):
         self.register_buffer("in_proj", in_proj, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_inputs:
-            logits, gate_up, shared_gate = F.linear(x, self.in_proj).split(
-                self.in_sizes, dim=-1)  # [T, E], [T, 2·I_shared/tp], [T, 1]
-        else:
-            logits, gate_up, shared_gate = (self.gate(x), self.shared_expert.gate_up_proj(x),
-                                            self.shared_expert_gate(x))
+        logits, gate_up, shared_gate = F.linear(x, self.in_proj).split(
+            self.in_sizes, dim=-1)  # [T, E], [T, 2·I_shared/tp], [T, 1]
         route = route_topk if self.routing == "triton" else fused.moe_route
         topk_weights, topk_ids = route(logits, self.top_k, x.dtype)  # [T, k]
         shared = self.shared_expert.down_proj(fused.silu_mul(gate_up))
@@ -157,8 +155,7 @@ class SparseMoE(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """The shared expert's weights; SparseMoE runs them (gate_up inside its one input GEMM
-    when `fused_inputs`)."""
+    """The shared expert's weights; SparseMoE runs them (gate_up inside its one input GEMM)."""
 
     def __init__(self, hidden: int, inter: int, tp: TPGroup, dtype: torch.dtype):
         super().__init__()

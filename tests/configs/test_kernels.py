@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 
 from configs.engine import EngineConfig
-from configs.kernels import GDN_ROUNDS, MOE_BACKENDS, MOE_INPUTS, KernelConfig
+from configs.kernels import GDN_ROUNDS, MOE_BACKENDS, KernelConfig
 from target.kernels import fused
 
 
 @pytest.mark.parametrize("field,name", [("attention", "attention_backend"),
-                                        ("moe", "moe_backend"), ("moe_inputs", "moe_inputs"),
+                                        ("moe", "moe_backend"),
                                         ("moe_routing", "moe_routing"),
-                                        ("attention_inputs", "attention_inputs"),
-                                        ("gdn_rounds", "gdn_rounds")])
+                                        ("gdn_rounds", "gdn_rounds"),
+                                        ("gdn_recurrence", "gdn_recurrence")])
 def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
     with pytest.raises(ValueError, match=name):
         KernelConfig(**{field: "nope"})
@@ -36,6 +36,22 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
     default = KernelConfig()
     assert (default.routing_kernel("cpu"), default.recurrence_kernel("cpu"),
             default.experts_kernel("cpu")) == ("torch", "fla", "auto")
+
+
+def test_auto_takes_the_triton_kernels_on_cuda_only():
+    """The defaults measured fastest on the H200 (docs/BENCHMARKS.md): on a CUDA device the
+    router's Triton kernel and the in-place GDN recurrence; elsewhere their torch / fla
+    references, never the interpreter unless asked for."""
+    from target.kernels import gdn_slots, moe_route
+
+    default = KernelConfig()
+    assert (default.routing_kernel("cpu"), default.recurrence_kernel("cpu")) == ("torch", "fla")
+    if moe_route.triton is None or gdn_slots.triton is None:
+        pytest.skip("Triton is not installed")
+    assert (default.routing_kernel("cuda"), default.recurrence_kernel("cuda")) == (
+        "triton", "slots")
+    forced = KernelConfig(moe_routing="torch", gdn_recurrence="fla")
+    assert (forced.routing_kernel("cuda"), forced.recurrence_kernel("cuda")) == ("torch", "fla")
 
 
 def test_attention_resolves_per_device_and_use():
@@ -61,9 +77,7 @@ def choices(target, draft) -> dict[str, set]:
     moes = layers(target, SparseMoE)
     return {
         "round_attention": {m.round_attention for m in layers(target, GatedAttention)},
-        "attention_inputs": {m.fused_inputs for m in layers(target, GatedAttention)},
         "batched_rounds": {m.batched_rounds for m in layers(target, GatedDeltaNet)},
-        "fused_inputs": {m.fused_inputs for m in moes},
         "routing": {m.routing for m in moes},
         "experts": {m.experts.kernel for m in moes},
         "block_attention": {m.block_attention for m in layers(draft, DraftAttention)},
@@ -79,14 +93,12 @@ def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
 
     target = load_target(str(tiny_demo[0]))
     draft = DFlashDraftModel.from_pretrained(str(tiny_demo[1]))
-    kernels = KernelConfig(moe=moe, moe_inputs=MOE_INPUTS[-1], gdn_rounds=GDN_ROUNDS[-1],
-                           attention_inputs="fused")
+    kernels = KernelConfig(moe=moe, gdn_rounds=GDN_ROUNDS[-1])
     try:
         target.set_kernels(kernels, graphs=True)
         draft.set_kernels(kernels, graphs=True)
         assert choices(target, draft) == {
-            "round_attention": {"gathered"}, "attention_inputs": {True},
-            "batched_rounds": {False}, "fused_inputs": {True},
+            "round_attention": {"gathered"}, "batched_rounds": {False},
             "routing": {"torch"}, "experts": {moe}, "block_attention": {"gathered"}}
     finally:
         fused.enable(False)

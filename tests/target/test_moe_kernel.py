@@ -75,8 +75,8 @@ def test_the_moe_layer_takes_either_path_with_the_same_result(tiny_models):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 16, 17, 40])
-def test_the_cuda_layer_picks_pairs_then_grouped_and_matches_the_reference(
+@pytest.mark.parametrize("tokens", [1, 2, 3, 16, 17, 40])
+def test_the_cuda_layer_picks_pairs_then_sorted_then_grouped_and_matches_the_reference(
         tiny_models, monkeypatch, tokens):
     from target.kernels import moe_triton
     from target.layers import moe as moe_layer
@@ -85,12 +85,13 @@ def test_the_cuda_layer_picks_pairs_then_grouped_and_matches_the_reference(
     model = load_target(tiny_models / "target", dtype=torch.bfloat16, device="cuda")
     experts = model.model.layers[0].mlp.experts
     k = model.config.num_experts_per_tok
-    # The tiny model routes few pairs: put the threshold between 16 and 17 tokens.
-    monkeypatch.setattr(moe_layer, "PAIR_MAX", 16 * k)
+    # The tiny model routes few pairs: put the thresholds after 2 and after 16 tokens.
+    monkeypatch.setattr(moe_layer, "PAIR_MAX", 2 * k)
+    monkeypatch.setattr(moe_layer, "SORTED_MAX", 16 * k)
     x = torch.randn(tokens, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(experts.num_experts)[:k] for _ in range(tokens)]).cuda()
     w = torch.softmax(torch.randn(tokens, k), -1).cuda()
-    want_kernel = "grouped" if tokens > 16 else "pairs"
+    want_kernel = "pairs" if tokens <= 2 else "sorted" if tokens <= 16 else "grouped"
     if not moe_triton.pair_experts_available(x) or not grouped_mm_available(x):
         pytest.skip("needs triton and torch._grouped_mm (sm90+)")
     assert experts._auto(x, ids.numel()) == want_kernel

@@ -43,10 +43,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_tp(model_dir: Path, size: int, out_dir: Path,
-           kernels: dict | None = None) -> list[dict[str, torch.Tensor]]:
+def run_tp(model_dir: Path, size: int, out_dir: Path) -> list[dict[str, torch.Tensor]]:
     """Spawns `size` ranks, waits for all of them, returns each rank's outputs."""
-    args = (size, free_port(), str(model_dir), str(out_dir), kernels)
+    args = (size, free_port(), str(model_dir), str(out_dir))
     ctx = mp.start_processes(run_rank, args=args, nprocs=size, join=False, start_method="spawn")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
@@ -70,20 +69,13 @@ def run_tp(model_dir: Path, size: int, out_dir: Path,
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(size)]
 
 
-# The input GEMMs over stacked weight views (KernelConfig attention_inputs / moe_inputs
-# "fused"): each rank's shards of q, k, v and of the router and shared expert stay in place.
-FUSED_INPUTS = {"attention_inputs": "fused", "moe_inputs": "fused"}
-
-
 @pytest.mark.parametrize(
-    "layout, size, kernels",
-    [("target-published", 2, None), ("target", 2, None),
-     ("target", 4, None),  # tp 4 > 2 kv heads: replicated
-     ("target", 4, FUSED_INPUTS)],
+    "layout, size",
+    [("target-published", 2), ("target", 2),
+     ("target", 4)],  # tp 4 > 2 kv heads: replicated
 )
-def test_tp_forwards_match_single_rank(tiny_models, single_rank, tmp_path, layout, size,
-                                       kernels):
-    ranks = run_tp(tiny_models / layout, size, tmp_path, kernels)
+def test_tp_forwards_match_single_rank(tiny_models, single_rank, tmp_path, layout, size):
+    ranks = run_tp(tiny_models / layout, size, tmp_path)
     expected = single_rank(layout)
     assert ranks[0].keys() == expected.keys()
     for name, want in expected.items():

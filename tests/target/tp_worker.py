@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from configs.engine import SamplingParams
-from configs.kernels import KernelConfig
 from target.distributed import SINGLE, TPGroup
 from target.loader import load_target
 from target.model import Qwen3_5MoeForCausalLM
@@ -71,10 +70,8 @@ def reference(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return run_scenario(load_target(model_dir, tp=SINGLE))
 
 
-def run_rank(rank: int, world_size: int, port: int, model_dir: str, out_dir: str,
-             kernels: dict | None = None) -> None:
-    """Entry point of one spawned rank; writes its outputs to out_dir/rank{r}.pt. `kernels`:
-    KernelConfig fields the rank's model takes (set_kernels)."""
+def run_rank(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    """Entry point of one spawned rank; writes its outputs to out_dir/rank{r}.pt."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only, never a routable interface
     torch.set_num_threads(1)
     try:
@@ -84,8 +81,6 @@ def run_rank(rank: int, world_size: int, port: int, model_dir: str, out_dir: str
         try:
             tp = TPGroup(rank=rank, size=world_size, group=None)
             model = load_target(model_dir, tp=tp)
-            if kernels:
-                model.set_kernels(KernelConfig(**kernels), graphs=False)
             torch.save(run_scenario(model), Path(out_dir) / f"rank{rank}.pt")
         finally:
             dist.destroy_process_group()

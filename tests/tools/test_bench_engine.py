@@ -69,12 +69,12 @@ def test_bench_engine_measures_kernel_variants_in_the_same_run(tmp_path):
             "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "--block-sizes",
             "4", "--prompt-len", "16", "--iters", "1", "--warmup", "0", "--no-baseline"]
     proc = subprocess.run(base + ["--variants", "gdn_rounds=per-seq",
-                                  "moe_inputs=fused,moe=reference", "--out", str(out)],
+                                  "moe_routing=torch,moe=reference", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert [x["variant"] for x in r["ours"]] == ["baseline", "gdn_rounds=per-seq",
-                                                 "moe_inputs=fused,moe=reference"]
+                                                 "moe_routing=torch,moe=reference"]
     assert all(x["round_B4_ms"] > 0 and x["decode_floor_ms"] > 0 for x in r["ours"])
     assert "| gdn_rounds=per-seq | 1 |" in proc.stdout
     bad = subprocess.run(base + ["--variants", "moe=sorted", "expert=pairs"], cwd=ROOT,
