@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from draft.model import DFlashDraftModel
@@ -18,7 +19,7 @@ from workers.cuda_graphs import (
     num_scratch_pages,
     page_bucket,
 )
-from workers.messages import ContextWrite, ProposeRequest, table_tensor
+from workers.messages import ContextWrite, ProposeRequest, host_tables
 
 
 class DraftRunner:
@@ -62,34 +63,38 @@ class DraftRunner:
     @torch.inference_mode()
     def write_context(self, write: ContextWrite) -> None:
         """aux [N, n_aux·H] of committed tokens, `counts[i]` of them for sequence i, in order."""
-        # Tensor ops on the host copy of the positions, not per-token Python (prefill chunks).
-        pos = write.positions.cpu().long()  # [N]
+        # numpy on the host copy of the positions: a fixed number of array operations, no
+        # per-token Python (prefill chunks) and no per-op cost of small torch tensors (rounds)
+        pos = write.positions.cpu().long().numpy()  # [N]
         if len(pos) == 0:
             return
-        counts, page = write.counts, self.page_size
+        page = self.page_size
         # only the pages the written positions fall in
-        tables = table_tensor(write.block_tables, int(pos.max()) // page + 1, torch.long)
-        seq_of = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-        slots = tables[seq_of, pos // page] * page + pos % page
+        tables = host_tables(write.block_tables, int(pos.max()) // page + 1)
+        seq_of = np.repeat(np.arange(len(write.counts)), write.counts)
+        slots = tables[seq_of, pos // page].astype(np.int64) * page + pos % page
         aux = write.aux.to(self.device)
         rows = next((r for r in self.write_rows if r >= len(pos)), None)
         if rows is None or ("write", rows) in self.failed or not self._replay_write(
                 rows, aux, pos, slots):
-            self.model.write_context(aux, pos.to(self.device), slots.to(self.device),
-                                     self.kv_cache)
+            self.model.write_context(aux, torch.from_numpy(pos).to(self.device),
+                                     torch.from_numpy(slots).to(self.device), self.kv_cache)
 
-    def _replay_write(self, rows: int, aux: torch.Tensor, pos: torch.Tensor,
-                      slots: torch.Tensor) -> bool:
+    def _replay_write(self, rows: int, aux: torch.Tensor, pos: np.ndarray,
+                      slots: np.ndarray) -> bool:
         """The write padded to `rows` through its graph; False if it cannot be captured."""
-        n, extra = len(pos), rows - len(pos)
-        pos = torch.cat([pos, torch.zeros(extra, dtype=torch.long)])
-        scratch = int(self.scratch_pages[0]) * self.page_size + torch.arange(extra) % \
-            self.page_size
-        slots = torch.cat([slots, scratch])
+        n = len(pos)
+        padded_pos = np.zeros(rows, np.int64)
+        padded_pos[:n] = pos
+        # the padding rows' slots: the first scratch page's
+        padded_slots = int(self.scratch_pages[0]) * self.page_size \
+            + np.arange(rows, dtype=np.int64) % self.page_size
+        padded_slots[:n] = slots
+        pos_t, slots_t = torch.from_numpy(padded_pos), torch.from_numpy(padded_slots)
         call = self.write_graphs.get(rows)
         if call is None:
             static = {"aux": torch.zeros(rows, aux.shape[1], dtype=aux.dtype, device=self.device),
-                      "positions": pos.to(self.device), "slots": slots.to(self.device)}
+                      "positions": pos_t.to(self.device), "slots": slots_t.to(self.device)}
             static["aux"][:n] = aux
 
             def write(inputs: dict[str, torch.Tensor]) -> None:
@@ -101,7 +106,7 @@ class DraftRunner:
             if call is None:
                 return False
             self.write_graphs[rows] = call
-        call(aux=aux, positions=pos, slots=slots)  # aux fills the first n rows
+        call(aux=aux, positions=pos_t, slots=slots_t)  # aux fills the first n rows
         return True
 
     @torch.inference_mode()
@@ -111,31 +116,31 @@ class DraftRunner:
         # Only the pages holding context and the block: their count bounds the attention's
         # gather width (and holds the block's slots where the triton path writes its K/V).
         width = -(-(max(context_lens) + self.block_size) // self.page_size)
-        tables = table_tensor(block_tables, width)
-        anchors_t = torch.tensor(anchors, dtype=torch.long)
-        lens_t = torch.tensor(context_lens, dtype=torch.long)
         padded = bucket_for(len(anchors), self.graph_max_seqs) if self.graph_max_seqs else None
         pages = page_bucket(max(width, len(self.scratch_pages)), self.graph_max_pages)
         out = None
         if padded is not None and pages is not None and self.block_size <= MAX_GRAPH_WIDTH \
                 and (padded, self.block_size, pages) not in self.failed:
-            out = self._replay(padded, pages, anchors_t, lens_t, tables)
+            out = self._replay(padded, pages, anchors, context_lens, block_tables)
         if out is None:
-            return self.model.propose(anchors_t.to(self.device), lens_t.to(self.device),
+            tables = torch.from_numpy(host_tables(block_tables, width))
+            return self.model.propose(torch.tensor(anchors, device=self.device),
+                                      torch.tensor(context_lens, device=self.device),
                                       tables.to(self.device), self.kv_cache, self.embed,
                                       self.lm_head, self.block_size)
         return out[: len(anchors)].clone()
 
-    def _replay(self, padded: int, pages: int, anchors: torch.Tensor, lens: torch.Tensor,
-                tables: torch.Tensor) -> torch.Tensor | None:
+    def _replay(self, padded: int, pages: int, anchors: list[int], context_lens: list[int],
+                block_tables: list) -> torch.Tensor | None:
         # Padding sequences: anchor 0, no context, the block in the scratch pages. The wider
         # table only adds masked keys to the attention's gather.
-        extra, n = padded - anchors.shape[0], anchors.shape[0]
-        anchors = torch.cat([anchors, torch.zeros(extra, dtype=torch.long)])
-        lens = torch.cat([lens, torch.zeros(extra, dtype=torch.long)])
-        full = torch.zeros(padded, pages, dtype=torch.int32)
-        full[:n, : tables.shape[1]] = tables
-        full[n:, : len(self.scratch_pages)] = self.scratch_pages
+        n = len(anchors)
+        anchors_np, lens_np = np.zeros(padded, np.int64), np.zeros(padded, np.int64)
+        anchors_np[:n], lens_np[:n] = anchors, context_lens
+        full = np.zeros((padded, pages), np.int32)
+        full[:n] = host_tables(block_tables, pages)
+        full[n:, : len(self.scratch_pages)] = self.scratch_pages.numpy()
+        anchors, lens, full = map(torch.from_numpy, (anchors_np, lens_np, full))
         key = (padded, self.block_size, pages)
         if key not in self.graphs:
             static = {"anchors": anchors.to(self.device), "context_lens": lens.to(self.device),

@@ -21,12 +21,13 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from target.batch import ForwardBatch, TargetCaches
 from target.layers.attention import GatedAttention
 from target.model import Qwen3_5MoeForCausalLM
-from workers.messages import table_tensor
+from workers.messages import host_tables
 
 logger = logging.getLogger(__name__)
 
@@ -213,30 +214,33 @@ class RoundGraphs:
 
     def _inputs(self, seqs: list, padded: int, width: int, pages: int
                 ) -> dict[str, torch.Tensor]:
-        """The step's CPU inputs padded to the bucket, from Python lists and a few tensor ops
-        whatever the bucket (per-sequence tensor ops cost more than the work here). Padding
-        sequences: W tokens from position 0 in the scratch pages, the scratch state slot."""
-        page, n, extra = self.page, len(seqs), padded - len(seqs)
-        tables = torch.zeros(padded, pages, dtype=torch.int32)  # entries past a table: page 0
-        rows = table_tensor([s.block_table if s.block_table_t is None else s.block_table_t
-                             for s in seqs])
-        tables[:n, : rows.shape[1]] = rows
-        tables[n:, : len(self.scratch_pages)] = self.scratch_pages
-        positions = []
-        for s in seqs:
-            positions += range(s.start_pos, s.start_pos + width)
-        pos = torch.tensor(positions + list(range(width)) * extra)  # [S'·W]
-        seq_of = torch.arange(padded).repeat_interleave(width)  # [S'·W]
-        return {
-            "input_ids": torch.tensor([t for s in seqs for t in s.token_ids]
-                                      + [0] * (extra * width)),
+        """The step's CPU inputs padded to the bucket, built in numpy from Python lists in a
+        fixed number of array operations whatever the bucket (a torch op on a small CPU tensor
+        costs several µs, a numpy one well under one; the host work lies between a step's
+        sync and the next launch). Padding sequences: W tokens from position 0 in the scratch
+        pages, the scratch state slot."""
+        page, n = self.page, len(seqs)
+        tables = np.zeros((padded, pages), np.int32)  # entries past a table: page 0
+        tables[:n] = host_tables([s.block_table if s.block_table_t is None else s.block_table_t
+                                  for s in seqs], pages)
+        tables[n:, : len(self.scratch_pages)] = self.scratch_pages.numpy()
+        starts = np.zeros(padded, np.int64)  # padding sequences start at position 0
+        starts[:n] = [s.start_pos for s in seqs]
+        pos = (starts[:, None] + np.arange(width)).reshape(-1)  # [S'·W]
+        seq_of = np.repeat(np.arange(padded), width)  # [S'·W]
+        input_ids = np.zeros(padded * width, np.int64)
+        input_ids[: n * width] = [t for s in seqs for t in s.token_ids]
+        state_slots = np.full(padded, self.scratch_slot, np.int64)
+        state_slots[:n] = [s.state_slot for s in seqs]
+        arrays = {
+            "input_ids": input_ids,
             "positions": pos,
-            "slot_mapping": tables[seq_of, pos // page].long() * page + pos % page,
+            "slot_mapping": tables[seq_of, pos // page].astype(np.int64) * page + pos % page,
             "block_tables": tables,
-            "seq_lens": torch.tensor([s.start_pos + width for s in seqs] + [width] * extra),
-            "state_slots": torch.tensor([s.state_slot for s in seqs]
-                                        + [self.scratch_slot] * extra),
+            "seq_lens": starts + width,
+            "state_slots": state_slots,
         }
+        return {name: torch.from_numpy(a) for name, a in arrays.items()}
 
     def _capture(self, padded: int, width: int, host: dict[str, torch.Tensor]) -> _RoundStep:
         static = {name: t.to(self.device, copy=True) for name, t in host.items()}

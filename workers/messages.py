@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from configs.engine import SamplingParams
@@ -101,18 +102,16 @@ class ProposeRequest:
     block_tables: list[list[int]] | list[torch.Tensor]
 
 
-def table_tensor(tables: list[list[int]] | list[torch.Tensor], width: int | None = None,
-                 dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """[S, width] CPU tensor of the tables' first `width` pages (default: the longest table's
-    count), zero past each table's end. Tables given as tensors are sliced, not converted:
-    the stepper keeps one per sequence, so a long context's thousands of page ids are not
-    turned into a tensor again at every step."""
-    rows = [t[:width] if isinstance(t, torch.Tensor)
-            else torch.tensor(t[:width], dtype=torch.int32) for t in tables]
-    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    if width is not None and out.shape[1] < width:
-        out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
-    return out.to(dtype)
+def host_tables(tables: list[list[int]] | list[torch.Tensor], width: int) -> np.ndarray:
+    """[S, width] int32 array of the tables' first `width` pages, zero past each table's end.
+    Tables given as tensors (the stepper keeps one per sequence) are read in place, not
+    converted: a long context's thousands of page ids are not turned into an array again at
+    every step."""
+    out = np.zeros((len(tables), width), np.int32)
+    for i, t in enumerate(tables):
+        row = t.numpy()[:width] if isinstance(t, torch.Tensor) else np.asarray(t[:width])
+        out[i, : len(row)] = row
+    return out
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from workers import sampling
 from workers.cache import reset_state_slot
 from workers.cuda_graphs import RoundGraphs
 from workers.logprobs import TokenLogprob, rows_logprobs, split_rows, token_logprobs
-from workers.messages import table_tensor
+from workers.messages import host_tables
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ class ModelRunner:
         # Built with CPU tensor ops, not per-token Python (a prefill step holds thousands of
         # tokens); copied to the device once per tensor.
         page = self.block_size
-        tables = table_tensor([s.block_table if s.block_table_t is None else s.block_table_t
-                               for s in seqs])
+        tables = torch.from_numpy(host_tables(
+            [s.block_table if s.block_table_t is None else s.block_table_t for s in seqs],
+            max(len(s.block_table) for s in seqs)))
         lens = torch.tensor([len(s.token_ids) for s in seqs])
         seq_of = torch.repeat_interleave(torch.arange(len(seqs)), lens)  # [T]
         first = torch.cumsum(lens, 0) - lens  # [S] index of each sequence's first token

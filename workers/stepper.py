@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from workers.messages import ContextWrite, NewSeq, ProposeRequest, StepKind, StepMsg
@@ -129,7 +130,9 @@ class DraftStepper:
 
     def write_context(self, msg: StepMsg, aux: torch.Tensor, counts: list[int]) -> None:
         """The step's committed tokens' aux rows [sum counts, n_aux·H], in sequence order."""
-        positions = torch.cat([torch.arange(start, start + n)
-                               for start, n in zip(msg.starts, counts, strict=True)])
+        counts_np = np.asarray(counts, np.int64)
+        first = np.cumsum(counts_np) - counts_np  # each sequence's first row
+        positions = torch.from_numpy(np.repeat(np.asarray(msg.starts, np.int64) - first, counts_np)
+                                     + np.arange(int(counts_np.sum())))
         self.drafter.write_context(ContextWrite(aux, positions, self.table.tables(msg),
                                                 list(counts)))

@@ -4,6 +4,7 @@ tables end empty; the runners satisfy the Protocols the steppers drive."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from cluster.engine import LLMEngine
@@ -69,12 +70,12 @@ def test_runners_satisfy_the_protocols_the_steppers_drive(tiny_demo):
     assert isinstance(drafter, DraftRunner) and isinstance(drafter, Drafter)
 
 
-def test_table_tensor_takes_lists_or_tensors_and_slices_or_pads_to_a_width():
-    from workers.messages import table_tensor
+def test_host_tables_take_lists_or_tensors_and_slice_or_pad_to_a_width():
+    from workers.messages import host_tables
 
     lists = [[4, 9, 2], [7], [1, 3, 5, 8]]
     for tables in (lists, [torch.tensor(t, dtype=torch.int32) for t in lists]):
-        assert table_tensor(tables).tolist() == [[4, 9, 2, 0], [7, 0, 0, 0], [1, 3, 5, 8]]
-        assert table_tensor(tables, 2).tolist() == [[4, 9], [7, 0], [1, 3]]
-        wide = table_tensor(tables, 6, torch.long)
-        assert wide.dtype == torch.long and wide.tolist()[1] == [7, 0, 0, 0, 0, 0]
+        assert host_tables(tables, 4).tolist() == [[4, 9, 2, 0], [7, 0, 0, 0], [1, 3, 5, 8]]
+        assert host_tables(tables, 2).tolist() == [[4, 9], [7, 0], [1, 3]]
+        wide = host_tables(tables, 6)
+        assert wide.dtype == np.int32 and wide.tolist()[1] == [7, 0, 0, 0, 0, 0]
