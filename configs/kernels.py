@@ -20,6 +20,12 @@ import torch
 # triton where Triton runs (CUDA), torch elsewhere. Prefill chunks take PyTorch's flash kernels
 # with either.
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+# The Triton attention's key splits (target/kernels/attention_triton.py Launch): "fixed" (the
+# same number of keys per split everywhere) or "adaptive" (per sequence, the fewest
+# BLOCK_N·2^j keys that make at most ADAPTIVE_SPLITS splits: more programs at a short context,
+# where a fixed split leaves one program per kv head walking every key; not yet measured on a
+# GPU).
+ATTENTION_SPLITS = ("fixed", "adaptive")
 # The routed experts (target/layers/moe.py FusedExperts): "auto" takes, on CUDA, the Triton
 # pair GEMVs up to PAIR_MAX (token, slot) pairs (small decode steps), the sorted-pair block
 # GEMMs up to SORTED_MAX (pairs sorted by expert, block-aligned: each touched expert's
@@ -71,6 +77,7 @@ def _triton_or(value: str, name: str, module, device: torch.device | str, other:
 @dataclass(frozen=True)
 class KernelConfig:
     attention: str = "auto"  # ATTENTION_BACKENDS
+    attention_splits: str = "fixed"  # ATTENTION_SPLITS
     moe: str = "auto"  # MOE_BACKENDS
     moe_routing: str = "auto"  # MOE_ROUTING
     gdn_rounds: str = "batched"  # GDN_ROUNDS
@@ -82,6 +89,7 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         _check("attention_backend", self.attention, ATTENTION_BACKENDS)
+        _check("attention_splits", self.attention_splits, ATTENTION_SPLITS)
         _check("moe_backend", self.moe, MOE_BACKENDS)
         _check("moe_routing", self.moe_routing, MOE_ROUTING)
         _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
@@ -101,6 +109,14 @@ class KernelConfig:
                              f"TRITON_INTERPRET=1), not {device}"
                              + (" without Triton" if attention_triton.triton is None else ""))
         return self.attention
+
+    def attention_launch(self):
+        """The Triton attention's launch shape (attention_triton.Launch) for attention_splits."""
+        from target.kernels import attention_triton
+
+        if self.attention_splits == "adaptive":
+            return attention_triton.ADAPTIVE_LAUNCH
+        return attention_triton.LAUNCH
 
     def experts_kernel(self, device: torch.device | str) -> str:
         """moe, checked against the device: the Triton paths ("pairs", "sorted") need Triton

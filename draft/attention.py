@@ -161,12 +161,14 @@ def paged_block_attention_triton(
     window: int | None,
     scale: float,
     meta: dict | None = None,
+    launch=None,
 ) -> Tensor:
     """paged_block_attention with the pages read in place by the Triton split-keys kernel
     (target/kernels/attention_triton.py): the block's K/V written to its own slots first
     (write_block_kv), then its queries over keys 0 … L_s+B−1. q [S, B, Hq, D] -> same.
     `meta`: a forward's dict, where the block's slots and int32 lengths are made once and
-    read by every layer (they depend only on the tables and context lengths)."""
+    read by every layer (they depend only on the tables and context lengths). `launch`: the
+    kernel's launch shape (attention_triton.Launch; None: its default)."""
     from target.kernels.attention_triton import paged_attention
 
     meta = {} if meta is None else meta
@@ -177,5 +179,5 @@ def paged_block_attention_triton(
     slots, first, last = meta["block"]
     write_block_kv(k_block, v_block, k_cache, v_cache, slots)
     out = paged_attention(q.flatten(0, 1), k_cache, v_cache, block_tables, first, last, scale,
-                          causal=is_causal, window=window)
+                          causal=is_causal, window=window, launch=launch)
     return out.view(q.shape)

@@ -75,8 +75,11 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         routing = kernels.routing_kernel(device)
         recurrence = kernels.recurrence_kernel(device)
         experts = kernels.experts_kernel(device)
+        launch = kernels.attention_launch()
         for m in self.modules():
-            if isinstance(m, GatedDeltaNet):
+            if isinstance(m, GatedAttention):
+                m.triton_launch = launch
+            elif isinstance(m, GatedDeltaNet):
                 m.batched_rounds = kernels.gdn_rounds == "batched"
                 m.recurrence = recurrence
             elif isinstance(m, SparseMoE):

@@ -12,6 +12,9 @@
 #            shapes each) against the grouped GEMMs, 1-128 tokens
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
+#   attnsweep bench/round_attention.py: the Triton attention with fixed and adaptive splits
+#            (KernelConfig attention_splits) at 512, 8k and 128k keys, 1 and 8 sequences,
+#            1 and 16 queries each
 #   variants bench/engine.py at batch 1 and 8, B = 16, in one process: the default kernels, then
 #            each kernel variant (VARIANTS, KernelConfig fields; by default the paths the
 #            defaults replaced), then the defaults again (the same-run spread)
@@ -70,11 +73,15 @@ moe)
 linear)
   timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda \
     --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" | tail -12 ;;
+attnsweep)  # the last --launch field is max_splits (attention_triton.ADAPTIVE_LAUNCH)
+  timeout ${ATTN_TIMEOUT:-240} python3 -m bench.round_attention --keys 512 8192 131072 \
+    --seqs 1 8 --widths 1 16 --forms triton --launch 1024,32,64,4,2,32,64 \
+    --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -16 ;;
 variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
     --prompt-len 512 --iters 10 --warmup 3 \
-    --variants ${VARIANTS:-moe=sorted moe=grouped moe_routing=torch gdn_recurrence=fla moe=auto} \
+    --variants ${VARIANTS:-attention_splits=adaptive moe=sorted moe_routing=torch gdn_recurrence=fla moe=auto} \
     --out "$OUT/engine_variants.json" 2>&1 | tee "$OUT/engine_variants.log" \
     | grep -v "falling back" | tail -12 ;;
 esac; done

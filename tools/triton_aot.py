@@ -175,20 +175,28 @@ def _attention_variants() -> list[Variant]:
                                    "window")})
     # a 16-token verify at batch 1: q [16, 16 heads, 256]; the pages [N, 16, 2 kv heads, 256]
     sizes = {"width": 16, "n_heads": 16, "n_tokens": 16, "window": 0}
-    return [
-        Variant("attention split", "target.kernels.attention_triton", "_split_kernel", split,
-                {"PAGE": 16, "D": 256, "BLOCK_D": 256, "BLOCK_M": launch.block_m,
-                 "BLOCK_N": launch.block_n, "SPLIT": launch.split, "CAUSAL": True,
-                 "WINDOWED": False, "IEEE": False},
-                {"num_warps": launch.warps, "num_stages": launch.stages},
-                {**sizes, "stride_qt": 4096, "stride_qh": 256, "stride_kb": 8192,
-                 "stride_kp": 512, "stride_kh": 256, "stride_vb": 8192, "stride_vp": 512,
-                 "stride_vh": 256, "stride_tb": 64, "group": 8, "rows": 128}),
-        Variant("attention merge", "target.kernels.attention_triton", "_merge_kernel", merge,
-                {"D": 256, "BLOCK_D": 256, "SPLIT": launch.split, "CHUNK": launch.merge_chunk,
-                 "WINDOWED": False, "WITH_LSE": False}, {"num_warps": 4},
-                {**sizes, "stride_ot": 4096, "stride_oh": 256}),
-    ]
+    out = []
+    for name, launch in (("", attention_triton.LAUNCH),
+                         (", adaptive", attention_triton.ADAPTIVE_LAUNCH)):
+        out += [
+            Variant(f"attention split{name}", "target.kernels.attention_triton",
+                    "_split_kernel", split,
+                    {"PAGE": 16, "D": 256, "BLOCK_D": 256, "BLOCK_M": launch.block_m,
+                     "BLOCK_N": launch.block_n, "SPLIT": launch.split,
+                     "MAX_SPLITS": launch.max_splits, "CAUSAL": True, "WINDOWED": False,
+                     "IEEE": False},
+                    {"num_warps": launch.warps, "num_stages": launch.stages},
+                    {**sizes, "stride_qt": 4096, "stride_qh": 256, "stride_kb": 8192,
+                     "stride_kp": 512, "stride_kh": 256, "stride_vb": 8192, "stride_vp": 512,
+                     "stride_vh": 256, "stride_tb": 64, "group": 8, "rows": 128}),
+            Variant(f"attention merge{name}", "target.kernels.attention_triton",
+                    "_merge_kernel", merge,
+                    {"D": 256, "BLOCK_D": 256, "BLOCK_N": launch.block_n, "SPLIT": launch.split,
+                     "MAX_SPLITS": launch.max_splits, "CHUNK": launch.merge_chunk,
+                     "WINDOWED": False, "WITH_LSE": False}, {"num_warps": 4},
+                    {**sizes, "stride_ot": 4096, "stride_oh": 256}),
+        ]
+    return out
 
 
 def variants() -> list[Variant]:

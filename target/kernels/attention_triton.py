@@ -9,20 +9,25 @@ kv·G + g (G query heads per kv head), so each kv head's keys are read once for 
 heads.
 
   1. split, grid (row tiles, key splits, S·Hkv): a program takes BLOCK_M rows of one kv head
-     and the keys of one split (SPLIT_KEYS consecutive positions), walks them BLOCK_N at a
-     time (page ids looked up per key), and keeps the online softmax (running max m, sum l,
-     unnormalised output acc, fp32). It writes m, l and acc for its rows.
+     and the keys of one split (SPLIT_KEYS consecutive positions; or, with Launch.max_splits,
+     the fewest BLOCK_N·2^j that make at most max_splits splits of the sequence's keys),
+     walks them BLOCK_N at a time (page ids looked up per key), and keeps the online softmax
+     (running max m, sum l, unnormalised output acc, fp32). It writes m, l and acc for its
+     rows.
   2. merge, grid (T·Hq,): per row, out = Σ acc_i·e^(m_i−M) / Σ l_i·e^(m_i−M) with M the
      largest m_i, and the log-sum-exp M + log Σ l_i·e^(m_i−M); the splits MERGE_CHUNK at a
      time (a fixed-shape sum within a chunk, chunks in order): one dependent load per split
      would leave the merge waiting on memory latency at long context.
 
 A row's result does not depend on the batch around it, bit for bit: the launch shape (Launch)
-is one per process, never chosen per call; tiles, splits and merge chunks start at fixed
+is one per model, never chosen per call; tiles, splits and merge chunks start at fixed
 positions; a key a row may not see adds exactly nothing (weight 0, and its value loaded as 0
 past kv_lens), and so does a split it has no key in. So a decode step and the same query
 inside a verify block of any size give the same bits (speculative decoding = target-only
-decoding in bf16 too), and a sequence's result does not depend on the other sequences.
+decoding in bf16 too), and a sequence's result does not depend on the other sequences. With
+max_splits a sequence's split length depends on its own key count: still independent of the
+batch, and the same for a decode and its verify block unless the block's keys cross a
+doubling of the split length (max_splits·BLOCK_N·2^j keys).
 
 Row tiles vary fastest in the grid: the programs reading one split's keys run side by side
 and share them through L2, so K/V come from memory about once per kv head.
@@ -57,6 +62,11 @@ class Launch:
     warps: int = 4
     stages: int = 2
     merge_chunk: int = 32
+    # 0: every split holds `split` keys. Else each sequence's splits hold the fewest
+    # block_n·2^j keys that make at most max_splits of them: at a short context many small
+    # splits (programs enough to fill the GPU), at a long one at most max_splits partial
+    # results per row to write and merge.
+    max_splits: int = 0
 
 
 # The launch shape every call uses, from the sweep of bench/round_attention.py --launch on the
@@ -65,6 +75,12 @@ class Launch:
 # query (8 sequences; 0.17 against 0.11 ms at 8k). Verify blocks are what a DFlash round runs.
 LAUNCH = Launch()
 SPLIT_KEYS = LAUNCH.split
+# KernelConfig attention_splits "adaptive": the same tiles, splits per sequence by its length.
+# At most 64 splits: a decode at batch 1 over 2 kv heads then runs 128 programs at a long
+# context (one wave on 132 SMs) and 16 one-tile programs at 512 keys (2 programs walking all
+# 512 with the fixed split).
+ADAPTIVE_SPLITS = 64
+ADAPTIVE_LAUNCH = Launch(max_splits=ADAPTIVE_SPLITS)
 
 
 def available(device: torch.device | str) -> bool:
@@ -80,24 +96,38 @@ def available(device: torch.device | str) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _adaptive_split(kv_len, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+        """The fewest BLOCK_N·2^j keys per split that make at most MAX_SPLITS splits of kv_len
+        keys (doubled at most 24 times)."""
+        split = kv_len * 0 + BLOCK_N
+        for _ in tl.static_range(24):
+            split = tl.where(split * MAX_SPLITS < kv_len, split * 2, split)
+        return split
+
+    @triton.jit
     def _split_kernel(Q, K, V, Tables, QFirst, KvLens, Acc, Stat,
                       stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
                       stride_vb, stride_vp, stride_vh, stride_tb,
                       scale, width, group, rows, n_heads, n_tokens, window,
                       PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                      CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+                      MAX_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                      IEEE: tl.constexpr):
         tile, split, sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_kv = n_heads // group
         s, kvh = sk // n_kv, sk % n_kv
         kv_len = tl.load(KvLens + s)
         q_first = tl.load(QFirst + s)
-        lo = split * SPLIT
-        hi = tl.minimum(lo + SPLIT, kv_len)
+        if MAX_SPLITS > 0:
+            split_len = _adaptive_split(kv_len, BLOCK_N, MAX_SPLITS)
+        else:
+            split_len = SPLIT
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, kv_len)
         first = 0
         if WINDOWED:  # keys below the earliest query's window are never seen
             first = tl.maximum(q_first - window + 1, 0)
-        if (lo >= kv_len) | (lo + SPLIT <= first):
+        if (lo >= kv_len) | (lo + split_len <= first):
             return  # the merge does not read this split
         start = lo
         if first > lo:
@@ -163,16 +193,21 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(Acc, Stat, QFirst, KvLens, Out, Lse, stride_ot, stride_oh,
                       width, n_heads, n_tokens, window,
-                      D: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-                      CHUNK: tl.constexpr, WINDOWED: tl.constexpr, WITH_LSE: tl.constexpr):
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                      WINDOWED: tl.constexpr, WITH_LSE: tl.constexpr):
         row = tl.program_id(0)  # token · Hq + head
         token, head = row // n_heads, row % n_heads
         s = token // width
         kv_len = tl.load(KvLens + s)
+        if MAX_SPLITS > 0:
+            split_len = _adaptive_split(kv_len, BLOCK_N, MAX_SPLITS)
+        else:
+            split_len = SPLIT
         first = 0
         if WINDOWED:  # the split kernel wrote nothing below the window
-            first = tl.maximum(tl.load(QFirst + s) - window + 1, 0) // SPLIT
-        last = (kv_len + SPLIT - 1) // SPLIT  # splits [first, last) may hold the row's keys
+            first = tl.maximum(tl.load(QFirst + s) - window + 1, 0) // split_len
+        last = (kv_len + split_len - 1) // split_len  # splits [first, last) may hold its keys
         start = first // CHUNK * CHUNK  # chunks at fixed positions
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
@@ -221,7 +256,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     width, group = n_tokens // n_seqs, n_heads // kv_heads
     assert n_seqs * width == n_tokens and group * kv_heads == n_heads
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    n_splits = -(-(n_pages * page) // launch.split)
+    keys = n_pages * page
+    n_splits = (min(launch.max_splits, -(-keys // launch.block_n)) if launch.max_splits
+                else -(-keys // launch.split))
     rows = group * width
     block_d = max(16, triton.next_power_of_2(dim))
     dev = q.device
@@ -239,11 +276,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale, width, group, rows, n_heads, n_tokens, win,
         PAGE=page, D=dim, BLOCK_D=block_d, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-        SPLIT=launch.split, CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee,
-        num_warps=launch.warps, num_stages=launch.stages)
+        SPLIT=launch.split, MAX_SPLITS=launch.max_splits, CAUSAL=causal,
+        WINDOWED=window is not None, IEEE=ieee, num_warps=launch.warps, num_stages=launch.stages)
     _merge_kernel[(n_tokens * n_heads,)](
         acc, stat, q_first, kv_lens, out, lse, out.stride(0), out.stride(1),
         width, n_heads, n_tokens, win,
-        D=dim, BLOCK_D=block_d, SPLIT=launch.split, CHUNK=launch.merge_chunk,
-        WINDOWED=window is not None, WITH_LSE=with_lse, num_warps=4)
+        D=dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, SPLIT=launch.split,
+        MAX_SPLITS=launch.max_splits, CHUNK=launch.merge_chunk, WINDOWED=window is not None,
+        WITH_LSE=with_lse, num_warps=4)
     return (out, lse) if with_lse else out

@@ -30,6 +30,8 @@ class GatedAttention(nn.Module):
         # gathers the table's pages for one batched call; both use no host values (CUDA graphs
         # capture them). "reference" loops over sequences with host lengths (eager torch).
         self.round_attention = "reference"
+        # the triton rounds' launch shape (KernelConfig.attention_launch; None: the default)
+        self.triton_launch = None
         self.layer_idx = layer_idx
         self.head_dim = d = cfg.head_dim
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
@@ -65,7 +67,8 @@ class GatedAttention(nn.Module):
                 lens = batch.seq_lens_t.to(torch.int32)
                 meta["round_lens"] = (lens - batch.query_lens[0], lens)
             o = attention_triton.paged_attention(q, k_cache, v_cache, batch.block_tables,
-                                                 *meta["round_lens"], self.scale)
+                                                 *meta["round_lens"], self.scale,
+                                                 launch=self.triton_launch)
         elif uniform and self.round_attention == "gathered":
             o = attn_kernels.paged_attention_gathered(q, k_cache, v_cache, batch.seq_lens_t,
                                                       batch.block_tables, self.scale)

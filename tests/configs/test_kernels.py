@@ -12,6 +12,7 @@ from target.kernels import fused
 
 
 @pytest.mark.parametrize("field,name", [("attention", "attention_backend"),
+                                        ("attention_splits", "attention_splits"),
                                         ("moe", "moe_backend"),
                                         ("moe_routing", "moe_routing"),
                                         ("gdn_rounds", "gdn_rounds"),
@@ -77,6 +78,8 @@ def choices(target, draft) -> dict[str, set]:
     moes = layers(target, SparseMoE)
     return {
         "round_attention": {m.round_attention for m in layers(target, GatedAttention)},
+        "launch": {m.triton_launch for m in layers(target, GatedAttention)
+                   + layers(draft, DraftAttention)},
         "batched_rounds": {m.batched_rounds for m in layers(target, GatedDeltaNet)},
         "routing": {m.routing for m in moes},
         "experts": {m.experts.kernel for m in moes},
@@ -89,16 +92,18 @@ def choices(target, draft) -> dict[str, set]:
                                                                       "sorted")])
 def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
     from draft.model import DFlashDraftModel
+    from target.kernels import attention_triton
     from target.loader import load_target
 
     target = load_target(str(tiny_demo[0]))
     draft = DFlashDraftModel.from_pretrained(str(tiny_demo[1]))
-    kernels = KernelConfig(moe=moe, gdn_rounds=GDN_ROUNDS[-1])
+    kernels = KernelConfig(moe=moe, gdn_rounds=GDN_ROUNDS[-1], attention_splits="adaptive")
     try:
         target.set_kernels(kernels, graphs=True)
         draft.set_kernels(kernels, graphs=True)
         assert choices(target, draft) == {
             "round_attention": {"gathered"}, "batched_rounds": {False},
+            "launch": {attention_triton.ADAPTIVE_LAUNCH},
             "routing": {"torch"}, "experts": {moe}, "block_attention": {"gathered"}}
     finally:
         fused.enable(False)
@@ -118,6 +123,7 @@ def test_the_engine_workers_take_the_engine_configs_kernels(tiny_demo):
     assert found["experts"] == {"reference"}
     assert found["round_attention"] == {"reference"}  # CPU: rounds run eagerly
     assert found["block_attention"] == {"gathered"}
+    assert found["launch"] == {KernelConfig().attention_launch()}  # "fixed"
     assert not fused._enabled  # no CUDA graphs, no compiled chains
     out = engine.generate([[1, 2, 3]], [cfg_params()])[0]
     assert len(out.output_ids) == 4 and out.finish_reason == "length"

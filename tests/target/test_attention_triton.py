@@ -9,6 +9,7 @@ Without CUDA the cases run in Triton's interpreter in one child process, this fi
 script (tests/target/triton_child.py says why)."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import triton_child
 triton = pytest.importorskip("triton")
 
 from target.kernels import attention_triton  # noqa: E402
-from target.kernels.attention_triton import SPLIT_KEYS, paged_attention  # noqa: E402
+from target.kernels.attention_triton import SPLIT_KEYS, Launch, paged_attention  # noqa: E402
 
 # "half": bf16 on CUDA; fp16 in the interpreter, whose tl.dot misreads bf16 operands (numpy has
 # no bf16) while fp16 is numpy's own. The kernel code is the same for both.
@@ -27,7 +28,10 @@ TOL = {"fp32": 1e-5, "half": 2e-2}
 
 def dtype_on(name: str, device: str) -> torch.dtype:
     return torch.float16 if name == "half" and device == "cpu" else DTYPES[name]
-# name: (context lengths before the queries, W, Hq, Hkv, D, page, causal, window)
+# attention_splits "adaptive" at a small bound, so that short sequences take several splits
+# and lengths double it: at most 4 splits of 64·2^j keys
+ADAPTIVE = Launch(max_splits=4)
+# name: (context lengths before the queries, W, Hq, Hkv, D, page, causal, window[, launch])
 CASES = {
     "decode": ([5, 17, 64], 1, 8, 2, 16, 4, True, None),
     "verify": ([0, 9, 130], 6, 4, 2, 16, 16, True, None),
@@ -36,6 +40,12 @@ CASES = {
     "many_splits": ([40 * SPLIT_KEYS - 9], 2, 2, 1, 16, 64, False, 5 * SPLIT_KEYS + 7),
     "draft_window": ([0, 3, 40], 4, 4, 2, 16, 4, False, 7),  # non-causal block, window 7
     "head_dim_24": ([11, 30], 2, 2, 2, 24, 8, True, None),
+    # adaptive: 6 keys in 1 split, 18 in 1, 301 in 3 of 128
+    "adaptive_decode": ([5, 17, 300], 1, 8, 2, 16, 4, True, None, ADAPTIVE),
+    # 6 keys in 1 split, 136 in 3 of 64, 1006 in 4 of 256
+    "adaptive_verify": ([0, 130, 1000], 6, 4, 2, 16, 16, True, None, ADAPTIVE),
+    # 902 keys in 4 splits of 256, the window skipping the first two
+    "adaptive_window": ([900], 2, 2, 1, 16, 64, False, 300, ADAPTIVE),
 }
 
 
@@ -97,12 +107,12 @@ def reference(q, k_cache, v_cache, tables, q_first, kv_lens, scale, causal, wind
 def case_error(name: str, dtype: str, device: str) -> float:
     """The largest difference from the reference, output and log-sum-exp (finite ones; an
     infinite one must match exactly)."""
-    lens, width, heads, kv_heads, dim, page, causal, window = CASES[name]
+    lens, width, heads, kv_heads, dim, page, causal, window, *launch = CASES[name]
     q, kc, vc, tables, q_first, kv_lens = problem(lens, width, heads, kv_heads, dim, page,
                                                   dtype_on(dtype, device), device)
     scale = dim**-0.5
     out, lse = paged_attention(q, kc, vc, tables, q_first, kv_lens, scale, causal=causal,
-                               window=window, with_lse=True)
+                               window=window, with_lse=True, launch=launch[0] if launch else None)
     assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32
     want, want_lse = reference(q, kc, vc, tables, q_first, kv_lens, scale, causal, window)
     finite = torch.isfinite(want_lse)
@@ -112,29 +122,32 @@ def case_error(name: str, dtype: str, device: str) -> float:
                (lse.cpu().double() - want_lse)[finite].abs().max().item())
 
 
-def invariance(device: str) -> dict[str, int]:
+def invariance(device: str, launch: Launch | None = None) -> dict[str, int]:
     """Bits that differ between a query decoded alone and the same query inside a verify
     block (several block sizes), and between a sequence alone and in a batch. bf16 on CUDA,
-    fp16 in the interpreter (numpy's own half type)."""
+    fp16 in the interpreter (numpy's own half type). With ADAPTIVE, lengths whose blocks keep
+    their split length (300–308 keys: 128; 41–48: 64)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
-    lens = [SPLIT_KEYS - 3, 40]  # the block crosses a split boundary in sequence 0
+    # fixed: the block crosses a split boundary in sequence 0; adaptive: 3 splits of 128
+    lens = [SPLIT_KEYS - 3, 40] if launch is None else [300, 40]
     heads, kv_heads, dim, page = 8, 2, 32, 16
     width = 8
     q, kc, vc, tables, q_first, kv_lens = problem(lens, width, heads, kv_heads, dim, page,
                                                   dtype, device, seed=1)
-    block = paged_attention(q, kc, vc, tables, q_first, kv_lens, 0.2)
+    attend = partial(paged_attention, launch=launch)
+    block = attend(q, kc, vc, tables, q_first, kv_lens, 0.2)
     out = {"decode_vs_block": 0, "block_sizes": 0, "alone_vs_batch": 0}
     for s in range(len(lens)):
         rows = slice(s * width, (s + 1) * width)
-        alone = paged_attention(q[rows], kc, vc, tables[s : s + 1], q_first[s : s + 1],
+        alone = attend(q[rows], kc, vc, tables[s : s + 1], q_first[s : s + 1],
                                 kv_lens[s : s + 1], 0.2)
         out["alone_vs_batch"] += int((alone != block[rows]).sum())
         for w in range(width):
             t = s * width + w
-            one = paged_attention(q[t : t + 1], kc, vc, tables[s : s + 1],
+            one = attend(q[t : t + 1], kc, vc, tables[s : s + 1],
                                   q_first[s : s + 1] + w, q_first[s : s + 1] + w + 1, 0.2)
             out["decode_vs_block"] += int((one != block[t : t + 1]).sum())
-        half = paged_attention(q[rows][: width // 2], kc, vc, tables[s : s + 1],
+        half = attend(q[rows][: width // 2], kc, vc, tables[s : s + 1],
                                q_first[s : s + 1], q_first[s : s + 1] + width // 2, 0.2)
         out["block_sizes"] += int((half != block[rows][: width // 2]).sum())
     return out
@@ -170,6 +183,12 @@ def model_differences() -> dict[str, float]:
         rounds[kind] = torch.cat(h.logits([h.seq(i, b, len(prompts[i]), tables[i], i)
                                            for i, b in enumerate(blocks)], verify=True))
     out["target_round"] = (rounds["triton"] - rounds["reference"]).abs().max().item()
+    for m in h.model.modules():  # attention_splits "adaptive", at the small bound
+        if hasattr(m, "triton_launch"):
+            m.triton_launch = ADAPTIVE
+    adaptive = torch.cat(h.logits([h.seq(i, b, len(prompts[i]), tables[i], i)
+                                   for i, b in enumerate(blocks)], verify=True))
+    out["target_round_adaptive"] = (adaptive - rounds["reference"]).abs().max().item()
     with tempfile.TemporaryDirectory() as root:
         write_all(Path(root))
         for revision in ("draft-full", "draft-swa"):
@@ -186,6 +205,11 @@ def model_differences() -> dict[str, float]:
             kept = all(torch.equal(a, b) for pair, pair0 in zip(after, context, strict=True)
                        for a, b in zip(pair, pair0, strict=True))
             out[revision] = (got - want).abs().max().item() if kept else float("inf")
+            for m in model.modules():  # attention_splits "adaptive", at the small bound
+                if hasattr(m, "triton_launch"):
+                    m.triton_launch = ADAPTIVE
+            got = draft_blocks.proposal_logits(model, block)
+            out[f"{revision}-adaptive"] = (got - want).abs().max().item()
     return out
 
 
@@ -200,12 +224,17 @@ def test_split_keys_attention_equals_the_reference(errors, name, dtype):
     assert err < TOL[dtype]
 
 
-def test_a_query_gets_the_same_bits_alone_in_a_block_and_in_a_batch(interpreted):
-    got = interpreted["invariance"] if interpreted else invariance("cuda")
+@pytest.mark.parametrize("splits", ["fixed", "adaptive"])
+def test_a_query_gets_the_same_bits_alone_in_a_block_and_in_a_batch(interpreted, splits):
+    if interpreted:
+        got = interpreted["invariance"][splits]
+    else:
+        got = invariance("cuda", None if splits == "fixed" else ADAPTIVE)
     assert got == {"decode_vs_block": 0, "block_sizes": 0, "alone_vs_batch": 0}
 
 
-@pytest.mark.parametrize("what", ["target_round", "draft-full", "draft-swa"])
+@pytest.mark.parametrize("what", ["target_round", "target_round_adaptive", "draft-full",
+                                  "draft-swa", "draft-full-adaptive", "draft-swa-adaptive"])
 def test_the_models_attend_alike_through_the_kernel(interpreted, what):
     if interpreted is None:
         pytest.skip("the CPU harness in the interpreter; on CUDA the engine's golden check "
@@ -237,4 +266,6 @@ def test_replays_in_a_cuda_graph_with_new_lengths():
 
 if __name__ == "__main__":  # the interpreter child (triton_child.run)
     print(json.dumps({"errors": triton_child.case_errors(CASES, DTYPES, case_error, "cpu"),
-                      "invariance": invariance("cpu"), "models": model_differences()}))
+                      "invariance": {"fixed": invariance("cpu"),
+                                     "adaptive": invariance("cpu", ADAPTIVE)},
+                      "models": model_differences()}))
