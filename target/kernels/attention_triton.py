@@ -76,10 +76,11 @@ class Launch:
 LAUNCH = Launch()
 SPLIT_KEYS = LAUNCH.split
 # KernelConfig attention_splits "adaptive": the same tiles, splits per sequence by its length.
-# At most 64 splits: a decode at batch 1 over 2 kv heads then runs 128 programs at a long
-# context (one wave on 132 SMs) and 16 one-tile programs at 512 keys (2 programs walking all
-# 512 with the fixed split).
-ADAPTIVE_SPLITS = 64
+# At most 128 splits: from 64k to 128k keys that is the fixed launch's 1024 keys per split (the
+# same programs, the same bits), and below it more and shorter splits down to one tile: a
+# decode at batch 1 over 2 kv heads runs 16 one-tile programs at 512 keys, where the fixed
+# split has 2 programs walking all 512.
+ADAPTIVE_SPLITS = 128
 ADAPTIVE_LAUNCH = Launch(max_splits=ADAPTIVE_SPLITS)
 
 
