@@ -121,7 +121,7 @@ class DraftRunner:
         out = None
         if padded is not None and pages is not None and self.block_size <= MAX_GRAPH_WIDTH \
                 and (padded, self.block_size, pages) not in self.failed:
-            out = self._replay(padded, pages, anchors, context_lens, block_tables)
+            out = self._replay(padded, pages, width, anchors, context_lens, block_tables)
         if out is None:
             tables = torch.from_numpy(host_tables(block_tables, width))
             return self.model.propose(torch.tensor(anchors, device=self.device),
@@ -130,15 +130,15 @@ class DraftRunner:
                                       self.lm_head, self.block_size)
         return out[: len(anchors)].clone()
 
-    def _replay(self, padded: int, pages: int, anchors: list[int], context_lens: list[int],
-                block_tables: list) -> torch.Tensor | None:
+    def _replay(self, padded: int, pages: int, width: int, anchors: list[int],
+                context_lens: list[int], block_tables: list) -> torch.Tensor | None:
         # Padding sequences: anchor 0, no context, the block in the scratch pages. The wider
         # table only adds masked keys to the attention's gather.
         n = len(anchors)
         anchors_np, lens_np = np.zeros(padded, np.int64), np.zeros(padded, np.int64)
         anchors_np[:n], lens_np[:n] = anchors, context_lens
-        full = np.zeros((padded, pages), np.int32)
-        full[:n] = host_tables(block_tables, pages)
+        full = np.zeros((padded, pages), np.int32)  # past `width` pages: page 0
+        full[:n, :width] = host_tables(block_tables, width)
         full[n:, : len(self.scratch_pages)] = self.scratch_pages.numpy()
         anchors, lens, full = map(torch.from_numpy, (anchors_np, lens_np, full))
         key = (padded, self.block_size, pages)
