@@ -1,6 +1,7 @@
 """Dense projections at decode / small-verify row counts through F.linear (cuBLAS): each
 projection alone, and the groups that read the same input as one GEMM over their stacked
-weights (attention's q/k/v; the MoE's router, shared-expert gate/up and shared-expert gate), as
+weights (attention's q/k/v; the MoE's router, shared-expert gate/up and shared-expert gate:
+the model's, its rows padded to a multiple of 8, and unpadded), as
 µs per call, GB/s of weight bytes read and the share of a device copy's bandwidth measured in
 the same run; then per decode step (each shape times its count): the projections as the model
 runs them now, and with each group fused.
@@ -100,10 +101,11 @@ def bench_shape(n: int, k: int, rows: list[int], device: torch.device, dtype: to
     return out
 
 
-def fused_shape(shapes: dict, members: tuple[str, ...]) -> tuple[int, int]:
-    """N × K of a group's stacked weight (its members read the same K-wide input)."""
+def fused_shape(shapes: dict, members: tuple[str, ...], align: int = 8) -> tuple[int, int]:
+    """N × K of a group's stacked weight (its members read the same K-wide input), N rounded
+    up to `align` rows as the model stacks them (target/layers/linear.py stack_rows)."""
     (k,) = {shapes[p][1] for p in members}
-    return sum(shapes[p][0] for p in members), k
+    return -(-sum(shapes[p][0] for p in members) // align) * align, k
 
 
 def per_step(shapes: dict, groups: dict, rows: list[dict], copy_gb_s: float) -> list[dict]:
@@ -135,6 +137,8 @@ def table(shapes: dict, groups: dict, rows: list[dict], steps: list[dict],
         names.setdefault((n, k), []).append(name)
     for name, members in groups.items():
         names.setdefault(fused_shape(shapes, members), []).append(name)
+        if fused_shape(shapes, members, 1) != fused_shape(shapes, members):
+            names.setdefault(fused_shape(shapes, members, 1), []).append(f"{name} unaligned")
     lines = [f"device copy: {copy_gb_s:.0f} GB/s (read + write)", "",
              "| shape | N×K | M | µs | GB/s | % copy |", "|" + "---|" * 6]
     for r in rows:
@@ -173,6 +177,8 @@ def main() -> None:
     copy_gb_s /= 1e9
     todo = [(n, k) for n, k, _ in shapes.values()]
     todo += [fused_shape(shapes, members) for members in groups.values()]
+    # and unaligned (N = the members' rows), to see what the alignment is worth
+    todo += [fused_shape(shapes, members, 1) for members in groups.values()]
     rows = []
     for n, k in dict.fromkeys(todo):
         rows += bench_shape(n, k, ROWS[device.type], device, dtype, iters)

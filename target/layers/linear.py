@@ -110,16 +110,21 @@ def load_sharded_1d(param: torch.Tensor, src: WeightSource, tp: TPGroup) -> None
     copy_into(param.data, src.read(slice(tp.rank * local, (tp.rank + 1) * local)), src)
 
 
-def stack_rows(layers: list[nn.Module]) -> tuple[torch.Tensor, list[int]]:
-    """One [Σ out, in] tensor whose row blocks become the layers' weights (views, each keeping
-    its own weight_loader), so the layers that read the same input can also run as one GEMM;
-    and each layer's row count. The weights' values are not kept: call before loading."""
+def stack_rows(layers: list[nn.Module], align: int = 8) -> tuple[torch.Tensor, list[int]]:
+    """One [Σ out (rounded up to `align`), in] tensor whose row blocks become the layers'
+    weights (views, each keeping its own weight_loader), so the layers that read the same
+    input can also run as one GEMM; and each layer's row count. The rows past Σ out are zero
+    and their outputs unused: they keep the GEMM's output rows 16-byte aligned in bf16 (an odd
+    width, 1,281 for the MoE's router + shared expert + its gate, leaves cuBLAS only kernels
+    that read the weight at a fraction of the bandwidth). The weights' values are not kept:
+    call before loading."""
     sizes = [layer.weight.shape[0] for layer in layers]
     first = layers[0].weight
-    stacked = torch.empty(sum(sizes), first.shape[1], dtype=first.dtype, device=first.device)
-    for layer, rows in zip(layers, stacked.split(sizes), strict=True):
+    rows = -(-sum(sizes) // align) * align
+    stacked = torch.zeros(rows, first.shape[1], dtype=first.dtype, device=first.device)
+    for layer, part in zip(layers, stacked[: sum(sizes)].split(sizes), strict=True):
         loader = layer.weight.weight_loader
-        layer.weight = nn.Parameter(rows, requires_grad=False)
+        layer.weight = nn.Parameter(part, requires_grad=False)
         layer.weight.weight_loader = loader
     return stacked, sizes
 

@@ -127,8 +127,8 @@ class FusedExperts(nn.Module):
 
 class SparseMoE(nn.Module):
     """The router, the shared expert's gate/up and its gate all read x: their weights are row
-    views of one [E + 2·I_shared/tp + 1, H] tensor (`in_proj`, filled by their own loaders),
-    and a step runs them as one GEMM."""
+    views of one [E + 2·I_shared/tp + 1, H] tensor (`in_proj`, filled by their own loaders;
+    zero rows after them up to a multiple of 8), and a step runs them as one GEMM."""
 
     def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
@@ -145,8 +145,8 @@ class SparseMoE(nn.Module):
         self.register_buffer("in_proj", in_proj, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits, gate_up, shared_gate = F.linear(x, self.in_proj).split(
-            self.in_sizes, dim=-1)  # [T, E], [T, 2·I_shared/tp], [T, 1]
+        y = F.linear(x, self.in_proj)[:, : sum(self.in_sizes)]  # (past it: the alignment)
+        logits, gate_up, shared_gate = y.split(self.in_sizes, dim=-1)  # [T, E], [T, 2·I/tp], [T, 1]
         route = route_topk if self.routing == "triton" else fused.moe_route
         topk_weights, topk_ids = route(logits, self.top_k, x.dtype)  # [T, k]
         shared = self.shared_expert.down_proj(fused.silu_mul(gate_up))
