@@ -155,6 +155,20 @@ def _gdn_variants() -> list[Variant]:
                            {"DK": 128, "BLOCK_V": gdn_slots.BLOCK_V, "HAS_KEPT": kept,
                             "WRITE_STATE": write, "NEED_OUTPUT": need},
                            {"num_warps": gdn_slots.NUM_WARPS}, values))
+    conv = {"Seq": "*bf16", "Cache": "*bf16", "Slots": "*i64", "Kept": "*i64",
+            "n_fixed": I32, "channels": I32}
+    conv.update({n: I32 for n in ("stride_qs", "stride_qc", "stride_ql", "stride_cn",
+                                  "stride_cc", "stride_ck")})
+    for label, length, per_seq in (("decode", 1, False), ("commit", 16, True)):
+        # conv_seq [S, 8192, 3 + L] contiguous; the cache [N, 8192, 3]
+        out.append(Variant(f"gdn conv commit {label}", "target.kernels.gdn_slots",
+                           "_commit_conv_kernel", conv,
+                           {"K_1": 3, "BLOCK_C": gdn_slots.CONV_BLOCK, "PER_SEQ": per_seq},
+                           {"num_warps": 4},
+                           {"n_fixed": 0 if per_seq else 1, "channels": 8192,
+                            "stride_qs": 8192 * (3 + length), "stride_qc": 3 + length,
+                            "stride_ql": 1, "stride_cn": 8192 * 3, "stride_cc": 3,
+                            "stride_ck": 1}))
     return out
 
 

@@ -9,9 +9,11 @@ gathers again, replays the kept tokens with g = β = 0 past each kept count and 
 In a profile of a decode step on an H200 the round's gathers and scatters of the states were
 ~4 index kernels per GDN layer per step, ~0.5 ms of a 6 ms step over the 30 GDN layers. This
 kernel reads state_cache[slots[s]] itself and, where asked, writes the final state back to
-the same place: the recurrent state's gathers and scatters go; the conv state's (C·(K−1)
-values per sequence) stay with the caller. Untested on a GPU until measured there: only its
-runs in Triton's interpreter have been checked, so neither its speed nor its compilation is.
+the same place: the recurrent state's gathers and scatters go. `commit_conv` writes the conv
+states (C·(K−1) values per sequence) the same way, one launch for the gather and the indexed
+store torch needs. Measured on an H200 (2026-12-05, docs/BENCHMARKS.md): the in-place
+recurrence took 0.5–0.7 ms off a batch-1 decode and 1.5–3 ms off a 16-token verify; the
+conv commit is not yet measured.
 
   Grid (S·Hv, cdiv(Dv, BLOCK_V)): a program owns one sequence's value head and BLOCK_V of its
   value columns, keeps that [Dk, BLOCK_V] fp32 tile of the state in registers over the L
@@ -52,6 +54,8 @@ except ImportError:  # CPU-only installs
 # Not tuned. Dk = Dv = 128 on the real model: a [128, 32] fp32 tile is 32 registers per thread
 # at 4 warps, and S·Hv·4 = 128·S programs (decode at batch 1 about fills an H200's 132 SMs).
 BLOCK_V, NUM_WARPS = 32, 4
+# commit_conv's channels per program (8192 channels on the real model: 8 programs a sequence).
+CONV_BLOCK = 1024
 
 
 def recurrent_slots_available(x: torch.Tensor) -> bool:
@@ -122,6 +126,46 @@ def recurrent_slots_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return o.to(v.dtype) if need_output else None
 
 
+def commit_conv(conv_seq: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Tensor,
+                kept: torch.Tensor | int) -> None:
+    """conv_cache[slots[s]] = conv_seq[s, :, n_s : n_s + K−1] in the cache's dtype, one launch:
+    each sequence's conv state after its first n_s block tokens (conv_seq [S, C, K−1+L]: the
+    committed state, then the block's inputs; conv_cache [N, C, K−1]; slots [S] integer;
+    kept: [S] integer, or one n for every sequence (a decode: 1)). Any strides."""
+    if triton is None:
+        raise RuntimeError("commit_conv needs triton")
+    n_seqs, channels = conv_seq.shape[:2]
+    k_1 = conv_cache.shape[-1]
+    assert conv_cache.shape[1] == channels and slots.shape == (n_seqs,), (
+        conv_seq.shape, conv_cache.shape, slots.shape)
+    if n_seqs == 0:
+        return
+    if not conv_seq.is_cuda and not _interpreted():
+        raise RuntimeError("commit_conv on CPU tensors runs in Triton's interpreter only: "
+                           "set TRITON_INTERPRET=1 before anything imports triton")
+    slots = slots.contiguous()
+    per_seq = isinstance(kept, torch.Tensor)
+    kept_t = kept.contiguous() if per_seq else slots  # (unread with one n)
+    _commit_conv_kernel[(n_seqs, triton.cdiv(channels, CONV_BLOCK))](
+        conv_seq, conv_cache, slots, kept_t, 0 if per_seq else int(kept), channels,
+        *conv_seq.stride(), *conv_cache.stride(),
+        K_1=k_1, BLOCK_C=CONV_BLOCK, PER_SEQ=per_seq, num_warps=4)
+
+
+def commit_conv_reference(conv_seq: torch.Tensor, conv_cache: torch.Tensor,
+                          slots: torch.Tensor, kept: torch.Tensor | int) -> None:
+    """commit_conv in torch (a gather and an indexed store): the tests' reference and CPU
+    callers' path."""
+    n_seqs, channels = conv_seq.shape[:2]
+    k_1 = conv_cache.shape[-1]
+    if not isinstance(kept, torch.Tensor):
+        conv_cache[slots] = conv_seq[:, :, kept : kept + k_1].to(conv_cache.dtype)
+        return
+    cols = kept[:, None] + torch.arange(k_1, device=kept.device)[None, :]  # [S, K-1]
+    idx = cols[:, None, :].expand(n_seqs, channels, k_1)
+    conv_cache[slots] = conv_seq.gather(2, idx).to(conv_cache.dtype)
+
+
 def _interpreted() -> bool:
     return triton is not None and not isinstance(_recurrent_slots_kernel,
                                                  triton.runtime.JITFunction)
@@ -187,3 +231,20 @@ if triton is not None:
                     _emit(s, q_row + t * stride_qt, o_row + t * stride_ot, col_ok)
         if WRITE_STATE:
             tl.store(tile, s, mask=col_ok[None, :])
+
+    @triton.jit
+    def _commit_conv_kernel(Seq, Cache, Slots, Kept, n_fixed, channels,
+                            stride_qs, stride_qc, stride_ql, stride_cn, stride_cc, stride_ck,
+                            K_1: tl.constexpr, BLOCK_C: tl.constexpr, PER_SEQ: tl.constexpr):
+        s = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        ok = c < channels
+        slot = tl.load(Slots + s).to(tl.int64)
+        n = n_fixed
+        if PER_SEQ:
+            n = tl.load(Kept + s).to(tl.int32)
+        src = Seq + s.to(tl.int64) * stride_qs + c * stride_qc
+        dst = Cache + slot * stride_cn + c * stride_cc
+        for j in tl.static_range(K_1):
+            x = tl.load(src + (n + j) * stride_ql, mask=ok)
+            tl.store(dst + j * stride_ck, x.to(Cache.dtype.element_ty), mask=ok)

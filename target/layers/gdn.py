@@ -155,8 +155,10 @@ class GatedDeltaNet(nn.Module):
         else:
             o, final = gdn.gated_delta_rule_batched(q, k, v, g, beta, ssm_cache[slots])
         if width == 1:  # autoregressive decode: its one token is always kept, commit in place
-            conv_cache[slots] = conv_seq[:, :, 1:].to(conv_cache.dtype)
-            if not in_place:
+            if in_place:
+                gdn_slots.commit_conv(conv_seq, conv_cache, slots, 1)
+            else:
+                conv_cache[slots] = conv_seq[:, :, 1:].to(conv_cache.dtype)
                 ssm_cache[slots] = final.to(ssm_cache.dtype)
         else:
             journal.append(GDNBlockJournal(slots, conv_seq, k, v, g, beta))
@@ -199,8 +201,9 @@ class GatedDeltaNet(nn.Module):
         """Batched commit: sequence i keeps its first n_i block tokens. The replay runs all L
         steps for everyone with g = β = 0 past n_i, which leaves a state exactly unchanged (the
         slots kernel, `in_place`, stops at n_i instead and writes the states where they are);
-        the conv state is the K−1 inputs ending at n_i: conv_seq[:, :, n_i : n_i + K−1]."""
-        n_seqs, width = e.g.shape[:2]
+        the conv state is the K−1 inputs ending at n_i: conv_seq[:, :, n_i : n_i + K−1] (in
+        place by slot in one launch with the slots kernel)."""
+        width = e.g.shape[1]
         n = torch.as_tensor(num_kept, device=e.g.device)  # [S]; a device tensor stays put
         if in_place:
             gdn_slots.recurrent_slots(e.k, e.k, e.v, e.g, e.beta, ssm_cache, e.slots,
@@ -211,7 +214,5 @@ class GatedDeltaNet(nn.Module):
             beta = e.beta.masked_fill(~keep[..., None], 0.0)
             _, state = gdn.gated_delta_rule_batched(e.k, e.k, e.v, g, beta, ssm_cache[e.slots])
             ssm_cache[e.slots] = state.to(ssm_cache.dtype)
-        k_1 = conv_cache.shape[-1]
-        cols = n[:, None] + torch.arange(k_1, device=n.device)[None, :]  # [S, K-1]
-        idx = cols[:, None, :].expand(n_seqs, e.conv_seq.shape[1], k_1)
-        conv_cache[e.slots] = e.conv_seq.gather(2, idx).to(conv_cache.dtype)
+        commit = gdn_slots.commit_conv if in_place else gdn_slots.commit_conv_reference
+        commit(e.conv_seq, conv_cache, e.slots, n)

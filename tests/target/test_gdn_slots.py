@@ -21,6 +21,8 @@ import triton_child
 
 from target.kernels import gdn_slots
 from target.kernels.gdn_slots import (
+    commit_conv,
+    commit_conv_reference,
     recurrent_slots,
     recurrent_slots_available,
     recurrent_slots_reference,
@@ -273,6 +275,39 @@ def test_no_host_sync_and_a_cuda_graph_replays_with_new_slots():
     assert not torch.equal(graph_cache, cache)  # the replay did write
 
 
+def conv_commits(device: str) -> dict[str, bool]:
+    """commit_conv equal to commit_conv_reference, bit for bit: kept counts per sequence (0,
+    all L, between) and one n for all (a decode's 1); the block's conv inputs contiguous and
+    as a transposed view; the cache in fp32 and in half (the cast: bf16 on CUDA, fp16 in the
+    interpreter, whose numpy has no bf16)."""
+    g = torch.Generator().manual_seed(3)
+    n_seqs, channels, k_1, length = 3, 37, 3, 5
+    half = torch.bfloat16 if device == "cuda" else torch.float16
+    slots = torch.tensor([4, 0, 6], device=device)
+    out = {}
+    for layout in ("contiguous", "transposed"):
+        seq = torch.randn(n_seqs, channels, k_1 + length, generator=g)
+        if layout == "transposed":
+            seq = torch.randn(n_seqs, k_1 + length, channels, generator=g).transpose(1, 2)
+        seq = seq.to(device)
+        for kept_name, kept in (("per_seq", torch.tensor([0, length, 2], device=device)),
+                                ("one", 1)):
+            for dtype in (torch.float32, half):
+                cache = torch.randn(7, channels, k_1, generator=g).to(device, dtype)
+                want = cache.clone()
+                commit_conv(seq, cache, slots, kept)
+                commit_conv_reference(seq, want, slots, kept)
+                out[f"{layout}/{kept_name}/{dtype}"] = torch.equal(cache, want)
+    return out
+
+
+@needs_triton
+def test_the_conv_commit_equals_its_reference(interpreted):
+    got = interpreted["conv_commits"] if interpreted is not None else conv_commits("cuda")
+    assert len(got) == 8 and all(got.values()), got
+
+
 if __name__ == "__main__":  # the interpreter child of errors()
     print(json.dumps({"errors": triton_child.case_errors(CASES, DTYPES, case_error, "cpu"),
-                      "consistency": consistency("cpu"), "model_rounds": model_rounds("cpu")}))
+                      "consistency": consistency("cpu"), "model_rounds": model_rounds("cpu"),
+                      "conv_commits": conv_commits("cpu")}))
