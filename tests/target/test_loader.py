@@ -94,7 +94,8 @@ def test_bf16_checkpoint_keeps_gdn_decay_params_fp32(tiny_models):
 @pytest.mark.parametrize("tp", [SINGLE, TPGroup(rank=1, size=2)], ids=["tp1", "tp2-rank1"])
 def test_moe_input_weights_load_into_one_tensor(tiny_models, tp):
     """The router, the shared expert's gate/up and its gate are row views of SparseMoE.in_proj
-    (one GEMM per step): their loaders must have filled it, in that order."""
+    (one GEMM per step): their loaders must have filled it, in that order; zero rows follow,
+    up to a multiple of 8 (the GEMM's output rows 16-byte aligned in bf16)."""
     model = load_target(tiny_models / "target", tp=tp)
     for layer in model.model.layers:
         moe = layer.mlp
@@ -102,8 +103,11 @@ def test_moe_input_weights_load_into_one_tensor(tiny_models, tp):
                  moe.shared_expert_gate.weight]
         assert all(p.untyped_storage().data_ptr() == moe.in_proj.untyped_storage().data_ptr()
                    for p in parts)
-        assert torch.equal(moe.in_proj, torch.cat(parts))
-        assert moe.in_proj.abs().sum(-1).ne(0).all()  # every row loaded
+        used = sum(moe.in_sizes)
+        assert moe.in_proj.shape[0] % 8 == 0 and 0 <= moe.in_proj.shape[0] - used < 8
+        assert torch.equal(moe.in_proj[:used], torch.cat(parts))
+        assert moe.in_proj[:used].abs().sum(-1).ne(0).all()  # every row loaded
+        assert not moe.in_proj[used:].any()
 
 
 # --------------------------------------------------------------------------------------------

@@ -98,26 +98,6 @@ def test_bf16_checkpoint_loads_and_runs(tiny_models):
     assert out.shape == (5, h.model.config.vocab_size) and torch.isfinite(out).all()
 
 
-def test_the_moe_input_gemm_is_one_over_row_views_of_its_layers_weights(tiny_models, hf):
-    """SparseMoE's router, shared gate/up and shared gate are row views of one tensor
-    (loaded by their own loaders, zero rows after them) and run as one GEMM; the logits agree
-    with transformers' (the other tests) and each layer's weight is its own rows of it."""
-    from target.layers.moe import SparseMoE
-
-    h = TargetHarness(tiny_models / "target")
-    moes = [m for m in h.model.modules() if isinstance(m, SparseMoE)]
-    assert moes
-    for m in moes:
-        used = sum(m.in_sizes)
-        rows = m.in_proj[:used].split(m.in_sizes)
-        parts = (m.gate.weight, m.shared_expert.gate_up_proj.weight, m.shared_expert_gate.weight)
-        assert all(p.data_ptr() == r.data_ptr() and torch.equal(p, r)
-                   for p, r in zip(parts, rows, strict=True))
-        # zero rows up to a multiple of 8: the GEMM's output rows stay 16-byte aligned
-        assert m.in_proj.shape[0] % 8 == 0 and m.in_proj.shape[0] - used < 8
-        assert not m.in_proj[used:].any()
-
-
 def test_rope_tables_are_made_once_per_forward(tiny_models, monkeypatch):
     """Every attention layer rotates the same positions: the first makes cos/sin, the others
     read them from the forward's ForwardBatch.attn_meta."""
