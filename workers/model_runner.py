@@ -196,8 +196,9 @@ class ModelRunner:
         """Greedy acceptance of every greedy sequence at once, read back with one host sync;
         {index in seqs: (accepted, bonus)}. Rounds verify B tokens for every sequence, so the
         blocks stack; a batch of mixed lengths leaves the rest to the per-sequence path. With
-        `commit` (every sequence greedy), the kept counts go to it as a device tensor before
-        that sync, so the GPU moves on to the commit without waiting for the host."""
+        `commit` (every sequence greedy), the kept counts go to it as a device tensor: the
+        GPU moves on to the commit without waiting for the host, and (CUDA) the host waits
+        only for the acceptance's read-back, queued before the commit, not for the commit."""
         idx = [i for i, s in enumerate(seqs) if s.params.greedy]
         if not idx or len({len(seqs[i].token_ids) for i in idx}) != 1:
             return {}
@@ -212,9 +213,19 @@ class ModelRunner:
             ids, block_logits = batch.input_ids[rows], logits[rows]
         # ids [S, B]: the anchor, then the drafts
         n, bonus = sampling.accept_greedy_batch(ids[:, 1:], block_logits)
+        decided = torch.stack([n, bonus], 1)
         if commit is not None and len(idx) == len(seqs):
-            commit(n + 1)
-        pairs = torch.stack([n, bonus], 1).tolist()
+            if decided.is_cuda:  # read back before the commit is queued: waited for alone
+                host = torch.empty(decided.shape, dtype=decided.dtype, pin_memory=True)
+                host.copy_(decided, non_blocking=True)
+                read = torch.cuda.Event()
+                read.record()
+                commit(n + 1)
+                read.synchronize()
+                decided = host
+            else:
+                commit(n + 1)
+        pairs = decided.tolist()
         return {i: (a, b) for i, (a, b) in zip(idx, pairs, strict=True)}
 
     def _accept_sampled(self, seqs: list[SeqInput], batch: ForwardBatch, logits: torch.Tensor,
@@ -298,7 +309,10 @@ class ModelRunner:
             kept_rows.extend(range(cu[i], cu[i] + n + 1))
         if not committed_early:
             commit([n + 1 for n in num_accepted])
-        rows = torch.tensor(kept_rows, device=aux.device)
+        rows = torch.tensor(kept_rows)
+        if aux.is_cuda:  # from pinned memory the copy is queued, not waited for: the host goes
+            # on (the draft's context write, the engine's bookkeeping) while the commit runs
+            rows = rows.pin_memory().to(aux.device, non_blocking=True)
         committed = [n + 1 for n in num_accepted]
         # token j of a sequence's new ones was drawn from its block's row j
         logprobs = self._logprobs(seqs, list(range(len(seqs))),
