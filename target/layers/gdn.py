@@ -155,10 +155,9 @@ class GatedDeltaNet(nn.Module):
         else:
             o, final = gdn.gated_delta_rule_batched(q, k, v, g, beta, ssm_cache[slots])
         if width == 1:  # autoregressive decode: its one token is always kept, commit in place
-            if in_place:
-                gdn_slots.commit_conv(conv_seq, conv_cache, slots, 1)
-            else:
-                conv_cache[slots] = conv_seq[:, :, 1:].to(conv_cache.dtype)
+            commit_conv = gdn_slots.commit_conv if in_place else gdn_slots.commit_conv_reference
+            commit_conv(conv_seq, conv_cache, slots, 1)
+            if not in_place:
                 ssm_cache[slots] = final.to(ssm_cache.dtype)
         else:
             journal.append(GDNBlockJournal(slots, conv_seq, k, v, g, beta))
