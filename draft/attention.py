@@ -112,9 +112,11 @@ def paged_block_attention(
     window: int | None,
     scale: float,
     meta: dict | None = None,
+    launch=None,
 ) -> Tensor:
     """Block queries over [paged context KV ; block KV]; q [S, B, Hq, D] -> [S, B, Hq, D].
-    (`meta`: as paged_block_attention_triton takes it; this form keeps nothing there.)
+    (`meta`, `launch`: as paged_block_attention_triton takes them; this form keeps nothing in
+    `meta` and has no launch shape.)
 
     Sequence s has context at positions 0..L_s-1 and its block at L_s..L_s+B-1. Sequences are
     padded to the longest gathered context; padded keys are masked out.

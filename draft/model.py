@@ -66,7 +66,7 @@ class DraftAttention(nn.Module):
         # reads the pages in place (target/kernels/attention_triton.py). Chosen per model by
         # set_block_attention (DFlashDraftModel.set_kernels: KernelConfig.block_attention).
         self.block_attention = "gathered"
-        self.triton_launch = None  # its launch shape (KernelConfig.attention_launch)
+        self.triton_launch = None  # the triton kind's launch shape (set_block_attention)
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, d
@@ -103,11 +103,10 @@ class DraftAttention(nn.Module):
         q = fused.norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
         k, v = self.project_kv(x, cos, sin)
         attend = BLOCK_ATTENTION[self.block_attention]
-        launch = {"launch": self.triton_launch} if self.block_attention == "triton" else {}
         out = attend(
             q, k, v, kv[0], kv[1], block_tables, context_lens,
             is_causal=self.is_causal, window=self.window, scale=self.scale, meta=meta,
-            **launch,
+            launch=self.triton_launch,
         )
         return self.o_proj(out.flatten(-2))
 
@@ -145,14 +144,15 @@ class DraftDecoderLayer(nn.Module):
 BLOCK_ATTENTION = {"gathered": paged_block_attention, "triton": paged_block_attention_triton}
 
 
-def set_block_attention(model: nn.Module, kind: str) -> None:
-    """Every DraftAttention of `model` attends its blocks with `kind` (BLOCK_ATTENTION)."""
+def set_block_attention(model: nn.Module, kind: str, launch=None) -> None:
+    """Every DraftAttention of `model` attends its blocks with `kind` (BLOCK_ATTENTION), the
+    triton kind at `launch` (attention_triton.Launch; None: the kernel's default)."""
     if kind not in BLOCK_ATTENTION:
         raise ValueError(f"block attention must be one of {sorted(BLOCK_ATTENTION)}, got "
                          f"{kind!r}")
     for m in model.modules():
         if isinstance(m, DraftAttention):
-            m.block_attention = kind
+            m.block_attention, m.triton_launch = kind, launch
 
 
 class DFlashDraftModel(nn.Module):
@@ -186,10 +186,8 @@ class DFlashDraftModel(nn.Module):
         as the target's set_kernels does, whether the elementwise chains compile (graphs:
         proposals replay CUDA graphs). Process-wide: a draft actor's process has no target
         model to set it."""
-        set_block_attention(self, kernels.block_attention(self.device))
-        for m in self.modules():
-            if isinstance(m, DraftAttention):
-                m.triton_launch = kernels.attention_launch()
+        set_block_attention(self, kernels.block_attention(self.device),
+                            kernels.attention_launch())
         target_fused.enable(kernels.compiles_elementwise(graphs))
 
     # ---- weights -------------------------------------------------------------------------

@@ -205,9 +205,7 @@ def model_differences() -> dict[str, float]:
             kept = all(torch.equal(a, b) for pair, pair0 in zip(after, context, strict=True)
                        for a, b in zip(pair, pair0, strict=True))
             out[revision] = (got - want).abs().max().item() if kept else float("inf")
-            for m in model.modules():  # attention_splits "adaptive", at the small bound
-                if hasattr(m, "triton_launch"):
-                    m.triton_launch = ADAPTIVE
+            set_block_attention(model, "triton", ADAPTIVE)  # "adaptive", at the small bound
             got = draft_blocks.proposal_logits(model, block)
             out[f"{revision}-adaptive"] = (got - want).abs().max().item()
     return out
