@@ -14,7 +14,10 @@ weights each), so that consecutive calls read mostly different experts and the L
 about 8 experts) does not serve them; µs = sample / POOL, median over --iters samples.
 `graph_us` replays the pool's calls captured in one CUDA graph (how the engine runs a step:
 device time, inter-kernel gaps included); `eager_us` launches them from Python (host launch
-cost included: the kernels are shorter than their launches)."""
+cost included: the kernels are shorter than their launches). Each call is what the MoE layer
+runs of it: the kernels up to each slot's row (reduce=False). The weighted sum over the slots
+is left out: the layer compiles it with the shared expert's add (fused.moe_combine), where
+eager here it would be ~25 one-slot launches, the same for every method."""
 
 from __future__ import annotations
 
@@ -29,10 +32,12 @@ from bench.timing import graphed, median_p90, sample_times
 
 REAL = dict(hidden=2048, inter=512, experts=256, k=8, tokens=[1, 2, 4, 8, 16, 32, 64, 128])
 SMALL = dict(hidden=64, inter=32, experts=16, k=4, tokens=[1, 2])
-# (gate_up, down) block overrides as (BLOCK_N, BLOCK_K, num_warps); None: the heuristic.
+# (gate_up, down) block overrides as (BLOCK_N, BLOCK_K, num_warps[, prefetch]); None: the
+# heuristic. The prefetching shapes keep two loop steps' loads in flight per program.
 CONFIGS = [None, ((8, 256, 4), (16, 256, 4)), ((16, 256, 4), (16, 256, 4)),
            ((32, 128, 4), (32, 128, 4)), ((8, 512, 4), (8, 512, 4)),
-           ((16, 256, 8), (32, 256, 8))]
+           ((16, 256, 8), (32, 256, 8)), ((16, 256, 4, True), (16, 256, 4, True)),
+           ((8, 256, 4, True), (8, 256, 4, True)), ((16, 128, 4, True), (16, 128, 4, True))]
 # The same for the sorted-pair kernels, as (BLOCK_N, BLOCK_K, num_warps, num_stages).
 # (BLOCK_N 16 and 32: more programs at decode, where 8 pairs give only 9 blocks.)
 SORTED_CONFIGS = [None, ((16, 128, 4, 3), (16, 128, 4, 3)), ((32, 64, 4, 4), (32, 64, 4, 4)),
@@ -42,7 +47,7 @@ POOL = 16
 
 def make_calls(fn: Callable, pool: list[tuple], gate_up: torch.Tensor,
                down: torch.Tensor, **kw) -> list[Callable[[], torch.Tensor]]:
-    return [lambda p=p: fn(p[0], gate_up, down, p[1], p[2], **kw) for p in pool]
+    return [lambda p=p: fn(p[0], gate_up, down, p[1], p[2], reduce=False, **kw) for p in pool]
 
 
 def time_calls(calls: list[Callable], device: torch.device, iters: int) -> dict[str, float]:
@@ -66,6 +71,7 @@ def bench_tokens(tokens: int, sizes: dict, weights: tuple, device: torch.device,
                  dtype: torch.dtype, iters: int, pool_size: int,
                  kinds: tuple[str, ...] = ("pair", "sorted", "grouped"),
                  default_shapes: bool = False) -> list[dict]:
+    from target.kernels import fused
     from target.kernels.moe import grouped_experts, grouped_mm_available
     from target.kernels.moe_sorted import SortedBlocks, sorted_experts
     from target.kernels.moe_triton import PairBlocks, pair_experts
@@ -88,7 +94,8 @@ def bench_tokens(tokens: int, sizes: dict, weights: tuple, device: torch.device,
     for cfg in configs if "pair" in kinds else []:
         kw = {} if cfg is None else dict(gate_up_blocks=PairBlocks(*cfg[0]),
                                          down_blocks=PairBlocks(*cfg[1]))
-        name = "auto" if cfg is None else "/".join("x".join(map(str, c)) for c in cfg)
+        name = "auto" if cfg is None else "/".join(
+            "x".join(map(str, c[:3])) + ("p" if c[3:] == (True,) else "") for c in cfg)
         methods.append(("pair", name, make_calls(pair_experts, pool, gate_up, down, **kw)))
     for cfg in sorted_configs if "sorted" in kinds else []:
         kw = {} if cfg is None else dict(gate_up_blocks=SortedBlocks(*cfg[0]),
@@ -98,10 +105,13 @@ def bench_tokens(tokens: int, sizes: dict, weights: tuple, device: torch.device,
     if "grouped" in kinds and (grouped_mm_available(pool[0][0]) or device.type == "cpu"):
         methods.append(("grouped", "-", make_calls(grouped_experts, pool, gate_up, down)))
 
-    want = methods[-1][2][0]().double()  # grouped where it runs, else the last sorted config
+    def combined(calls):  # the first routing's output, reduced over the slots
+        return fused.weighted_slot_sum(calls[0](), pool[0][2]).double()
+
+    want = combined(methods[-1][2])  # grouped where it runs, else the last sorted config
     rows = []
     for method, config, calls in methods:
-        err = ((calls[0]().double() - want).norm() / want.norm()).item()
+        err = ((combined(calls) - want).norm() / want.norm()).item()
         row = {"tokens": tokens, "method": method, "config": config,
                "distinct_experts": distinct, "mb": round(nbytes / 1e6, 1),
                "rel_err": float(f"{err:.2e}"), **time_calls(calls, device, iters)}

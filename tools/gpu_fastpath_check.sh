@@ -9,7 +9,8 @@
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
 #   nofuse   the same without the compiled elementwise chains (--no-fuse), B = 16, no baseline
 #   moe      bench/moe_kernel.py: the pair GEMVs and the sorted-pair block GEMMs (a few launch
-#            shapes each) against the grouped GEMMs, 1-128 tokens
+#            shapes each, the pairs' with and without prefetch) against the grouped GEMMs,
+#            1-128 tokens (MOE_ARGS: more arguments, e.g. "--kinds pair --tokens 1 2 4")
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
 #   attnsweep bench/round_attention.py: the Triton attention with fixed and adaptive splits
@@ -69,7 +70,7 @@ nofuse)
     | tee "$OUT/bench_nofuse.log" | grep -v "falling back" | tail -6 ;;
 moe)
   timeout ${MOE_TIMEOUT:-240} python3 -m bench.moe_kernel --device cuda --out "$OUT/moe_kernel.json" \
-    2>&1 | tee "$OUT/moe_kernel.log" | tail -40 ;;
+    ${MOE_ARGS:-} 2>&1 | tee "$OUT/moe_kernel.log" | tail -40 ;;
 linear)
   timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda \
     --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" | tail -12 ;;

@@ -60,13 +60,19 @@ def _moe_variants() -> list[Variant]:
                    stride_it=8, stride_ik=1)
     out = [
         Variant("pairs gate_up", "target.kernels.moe_triton", "_gate_up_kernel", pair_gate_up,
-                {"BLOCK_N": gu.block_n, "BLOCK_K": gu.block_k}, {"num_warps": gu.num_warps},
+                {"BLOCK_N": gu.block_n, "BLOCK_K": gu.block_k, "PREFETCH": gu.prefetch},
+                {"num_warps": gu.num_warps},
                 {**experts, "stride_we": 2 * inter * hidden, "stride_wn": hidden,
                  "stride_wh": 1}),
         Variant("pairs down", "target.kernels.moe_triton", "_down_kernel", pair_down,
-                {"BLOCK_N": dn.block_n, "BLOCK_K": dn.block_k}, {"num_warps": dn.num_warps},
+                {"BLOCK_N": dn.block_n, "BLOCK_K": dn.block_k, "PREFETCH": dn.prefetch},
+                {"num_warps": dn.num_warps},
                 {**experts, "stride_we": hidden * inter, "stride_wn": inter, "stride_wi": 1}),
     ]
+    # The same with the next loop step's loads issued first (PairBlocks.prefetch).
+    out += [Variant(f"{v.name}, prefetch", v.module, v.kernel, v.signature,
+                    {**v.constexprs, "PREFETCH": True}, v.options, v.values)
+            for v in out if not v.constexprs["PREFETCH"]]
     # a 16-token verify at batch 1: 128 pairs
     gate_up_values = {**experts, "num_pairs": 128, "stride_we": 2 * inter * hidden,
                       "stride_wn": hidden, "stride_wh": 1}

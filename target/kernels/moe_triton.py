@@ -46,11 +46,14 @@ except ImportError:  # CPU-only installs
 @dataclass(frozen=True)
 class PairBlocks:
     """Launch shape of one kernel: BLOCK_N output rows per program, BLOCK_K reduction
-    elements per loop step, num_warps per program."""
+    elements per loop step, num_warps per program. `prefetch`: each loop step issues the next
+    step's loads before its own multiply-adds (two tiles in flight per program, the same
+    summation order and bits)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
+    prefetch: bool = False
 
 
 # The launch shape: BLOCK_N 16 rows × BLOCK_K 256, 4 warps, for both kernels. In the sweep of
@@ -124,11 +127,11 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     _gate_up_kernel[(pairs, triton.cdiv(inter, gb.block_n))](
         x, gate_up, topk_ids, h, k, inter, hidden,
         x.stride(0), x.stride(1), *gate_up.stride(), *topk_ids.stride(),
-        BLOCK_N=gb.block_n, BLOCK_K=gb.block_k, num_warps=gb.num_warps)
+        BLOCK_N=gb.block_n, BLOCK_K=gb.block_k, PREFETCH=gb.prefetch, num_warps=gb.num_warps)
     _down_kernel[(pairs, triton.cdiv(hidden, db.block_n))](
         h, down, topk_ids, y, k, hidden, inter,
         *down.stride(), *topk_ids.stride(),
-        BLOCK_N=db.block_n, BLOCK_K=db.block_k, num_warps=db.num_warps)
+        BLOCK_N=db.block_n, BLOCK_K=db.block_k, PREFETCH=db.prefetch, num_warps=db.num_warps)
     y = y.view(tokens, k, hidden)
     return fused.weighted_slot_sum(y, topk_weights) if reduce else y
 
@@ -140,10 +143,20 @@ def _interpreted() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _gate_up_tiles(x_row, gate, up, k0, cols, row_ok, hidden, stride_xh, stride_wh):
+        """x's BLOCK_K elements from k0 (fp32) and the gate and up tiles beside them."""
+        kk = k0 + cols
+        k_ok = kk < hidden
+        xk = tl.load(x_row + kk * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
+        m = row_ok[:, None] & k_ok[None, :]
+        off = kk[None, :] * stride_wh
+        return xk, tl.load(gate + off, mask=m, other=0.0), tl.load(up + off, mask=m, other=0.0)
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, top_k, inter, hidden,
                         stride_xt, stride_xh, stride_we, stride_wn, stride_wh,
                         stride_it, stride_ik,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
         pair = tl.program_id(0)
         token, slot = pair // top_k, pair % top_k
         # int64: expert · stride_we passes 2^31 elements on larger models.
@@ -157,14 +170,21 @@ if triton is not None:
         # Elementwise accumulators, reduced once after the loop (not one reduction per step).
         acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            kk = k0 + cols
-            k_ok = kk < hidden
-            xk = tl.load(x_row + kk * stride_xh, mask=k_ok, other=0.0).to(tl.float32)
-            m = row_ok[:, None] & k_ok[None, :]
-            off = kk[None, :] * stride_wh
-            acc_g += tl.load(gate + off, mask=m, other=0.0).to(tl.float32) * xk[None, :]
-            acc_u += tl.load(up + off, mask=m, other=0.0).to(tl.float32) * xk[None, :]
+        if PREFETCH:  # step k0 adds the tiles loaded the step before; its own loads go first
+            xk, g_t, u_t = _gate_up_tiles(x_row, gate, up, 0, cols, row_ok, hidden, stride_xh,
+                                          stride_wh)
+            for k0 in range(BLOCK_K, hidden + BLOCK_K, BLOCK_K):  # the last loads: masked off
+                x_n, g_n, u_n = _gate_up_tiles(x_row, gate, up, k0, cols, row_ok, hidden,
+                                               stride_xh, stride_wh)
+                acc_g += g_t.to(tl.float32) * xk[None, :]
+                acc_u += u_t.to(tl.float32) * xk[None, :]
+                xk, g_t, u_t = x_n, g_n, u_n
+        else:
+            for k0 in range(0, hidden, BLOCK_K):
+                xk, g_t, u_t = _gate_up_tiles(x_row, gate, up, k0, cols, row_ok, hidden,
+                                              stride_xh, stride_wh)
+                acc_g += g_t.to(tl.float32) * xk[None, :]
+                acc_u += u_t.to(tl.float32) * xk[None, :]
         # Rounded as a GEMM's output would be, then SwiGLU in fp32, rounded once on the store.
         g = tl.sum(acc_g, axis=1).to(h_ptr.dtype.element_ty).to(tl.float32)
         u = tl.sum(acc_u, axis=1).to(h_ptr.dtype.element_ty).to(tl.float32)
@@ -172,9 +192,18 @@ if triton is not None:
         tl.store(h_ptr + pair * inter + rows, h.to(h_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
+    def _down_tiles(h_row, w, k0, cols, row_ok, inter, stride_wi):
+        """h's BLOCK_K elements from k0 (fp32) and the weight tile beside them."""
+        kk = k0 + cols
+        k_ok = kk < inter
+        hk = tl.load(h_row + kk, mask=k_ok, other=0.0).to(tl.float32)
+        m = row_ok[:, None] & k_ok[None, :]
+        return hk, tl.load(w + kk[None, :] * stride_wi, mask=m, other=0.0)
+
+    @triton.jit
     def _down_kernel(h_ptr, w_ptr, ids_ptr, y_ptr, top_k, hidden, inter,
                      stride_we, stride_wn, stride_wi, stride_it, stride_ik,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
         pair = tl.program_id(0)
         token, slot = pair // top_k, pair % top_k
         expert = tl.load(ids_ptr + token * stride_it + slot * stride_ik).to(tl.int64)
@@ -184,12 +213,15 @@ if triton is not None:
         w = w_ptr + expert * stride_we + rows[:, None] * stride_wn  # [BLOCK_N, 1]
         h_row = h_ptr + pair * inter
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            kk = k0 + cols
-            k_ok = kk < inter
-            hk = tl.load(h_row + kk, mask=k_ok, other=0.0).to(tl.float32)
-            m = row_ok[:, None] & k_ok[None, :]
-            acc += tl.load(w + kk[None, :] * stride_wi, mask=m, other=0.0).to(tl.float32) \
-                * hk[None, :]
+        if PREFETCH:  # as in _gate_up_kernel
+            hk, w_t = _down_tiles(h_row, w, 0, cols, row_ok, inter, stride_wi)
+            for k0 in range(BLOCK_K, inter + BLOCK_K, BLOCK_K):
+                h_n, w_n = _down_tiles(h_row, w, k0, cols, row_ok, inter, stride_wi)
+                acc += w_t.to(tl.float32) * hk[None, :]
+                hk, w_t = h_n, w_n
+        else:
+            for k0 in range(0, inter, BLOCK_K):
+                hk, w_t = _down_tiles(h_row, w, k0, cols, row_ok, inter, stride_wi)
+                acc += w_t.to(tl.float32) * hk[None, :]
         y = tl.sum(acc, axis=1)
         tl.store(y_ptr + pair * hidden + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)

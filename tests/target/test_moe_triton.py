@@ -71,6 +71,25 @@ def consistency(device: str, tokens: int = 6, k: int = 4, experts: int = 8,
     return out
 
 
+def prefetch_equal(device: str) -> bool:
+    """The kernels with `prefetch` (the next loop step's loads issued before this step's
+    multiply-adds) give the same bits as without, on sizes with partial tiles along both dims
+    of both kernels and on the default shapes (fp32 and half, as the device rounds)."""
+    half = torch.bfloat16 if device == "cuda" else torch.float16
+    same = []
+    for dtype in (torch.float32, half):
+        x, gate_up, down, ids, w = problem(3, 4, 6, 200, 72, dtype, device, seed=5)
+        for blocks in ((PairBlocks(16, 32, 2), PairBlocks(32, 16, 1)),
+                       (pair_blocks(200), pair_blocks(72))):
+            prefetched = [PairBlocks(b.block_n, b.block_k, b.num_warps, True) for b in blocks]
+            got = pair_experts(x, gate_up, down, ids, w, gate_up_blocks=prefetched[0],
+                               down_blocks=prefetched[1], reduce=False)
+            want = pair_experts(x, gate_up, down, ids, w, gate_up_blocks=blocks[0],
+                                down_blocks=blocks[1], reduce=False)
+            same.append(torch.equal(got, want))
+    return all(same)
+
+
 def all_case_errors() -> dict[str, float | str]:
     return triton_child.case_errors(CASES, DTYPES, case_error, "cpu")
 
@@ -113,6 +132,10 @@ def test_a_token_gets_the_same_bits_alone_and_in_a_batch_and_matches_grouped(int
         assert got["grouped_max_ulps"] <= 4, got
 
 
+def test_prefetch_gives_the_same_bits(interpreted):
+    assert interpreted["prefetch_equal"] if interpreted is not None else prefetch_equal("cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 16])
 def test_real_sizes_match_grouped_and_capture_in_a_cuda_graph(tokens):
@@ -127,4 +150,5 @@ def test_real_sizes_match_grouped_and_capture_in_a_cuda_graph(tokens):
 
 
 if __name__ == "__main__":  # the interpreter child of errors()
-    print(json.dumps({"errors": all_case_errors(), "consistency": consistency("cpu")}))
+    print(json.dumps({"errors": all_case_errors(), "consistency": consistency("cpu"),
+                      "prefetch_equal": prefetch_equal("cpu")}))
