@@ -26,6 +26,10 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 # where a fixed split leaves one program per kv head walking every key; not yet measured on a
 # GPU).
 ATTENTION_SPLITS = ("fixed", "adaptive")
+# Full attention's prologue (target/layers/attention.py): "torch" (fused.qk_norm_rope, then
+# attention.store_kv's index copies) or "triton" (target/kernels/qk_rope_triton.py: the q and k
+# norms, RoPE and the K/V cache writes as one launch per layer; not yet measured on a GPU).
+ATTENTION_PROLOGUE = ("torch", "triton")
 # The routed experts (target/layers/moe.py FusedExperts): "auto" takes, on CUDA, the Triton
 # pair GEMVs up to PAIR_MAX (token, slot) pairs (small decode steps), the sorted-pair block
 # GEMMs up to SORTED_MAX (pairs sorted by expert, block-aligned: each touched expert's
@@ -78,6 +82,7 @@ def _triton_or(value: str, name: str, module, device: torch.device | str, other:
 class KernelConfig:
     attention: str = "auto"  # ATTENTION_BACKENDS
     attention_splits: str = "fixed"  # ATTENTION_SPLITS
+    attention_prologue: str = "torch"  # ATTENTION_PROLOGUE
     moe: str = "auto"  # MOE_BACKENDS
     moe_routing: str = "auto"  # MOE_ROUTING
     gdn_rounds: str = "batched"  # GDN_ROUNDS
@@ -90,6 +95,7 @@ class KernelConfig:
     def __post_init__(self) -> None:
         _check("attention_backend", self.attention, ATTENTION_BACKENDS)
         _check("attention_splits", self.attention_splits, ATTENTION_SPLITS)
+        _check("attention_prologue", self.attention_prologue, ATTENTION_PROLOGUE)
         _check("moe_backend", self.moe, MOE_BACKENDS)
         _check("moe_routing", self.moe_routing, MOE_ROUTING)
         _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
@@ -117,6 +123,15 @@ class KernelConfig:
         if self.attention_splits == "adaptive":
             return attention_triton.ADAPTIVE_LAUNCH
         return attention_triton.LAUNCH
+
+    def prologue_kernel(self, device: torch.device | str) -> str:
+        """attention_prologue, checked against the device: "triton" needs Triton and CUDA
+        (or TRITON_INTERPRET=1)."""
+        from target.kernels import qk_rope_triton
+
+        if self.attention_prologue == "triton":
+            _check_triton("attention_prologue 'triton'", qk_rope_triton, device)
+        return self.attention_prologue
 
     def experts_kernel(self, device: torch.device | str) -> str:
         """moe, checked against the device: the Triton paths ("pairs", "sorted") need Triton

@@ -76,9 +76,10 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         recurrence = kernels.recurrence_kernel(device)
         experts = kernels.experts_kernel(device)
         launch = kernels.attention_launch()
+        prologue = kernels.prologue_kernel(device)
         for m in self.modules():
             if isinstance(m, GatedAttention):
-                m.triton_launch = launch
+                m.triton_launch, m.prologue = launch, prologue
             elif isinstance(m, GatedDeltaNet):
                 m.batched_rounds = kernels.gdn_rounds == "batched"
                 m.recurrence = recurrence

@@ -216,6 +216,21 @@ def _attention_variants() -> list[Variant]:
                      "WINDOWED": False, "WITH_LSE": False}, {"num_warps": 4},
                     {**sizes, "stride_ot": 4096, "stride_oh": 256}),
         ]
+    # the prologue (qk_rope_triton): q the strided half of [T, 16 heads, 2·256], k and v
+    # [T, 2, 256], caches [N, 16, 2, 256] viewed as slots
+    prologue = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr")}
+    prologue.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64",
+                     "out_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
+                     "num_q_heads": I32, "eps": "fp32"})
+    strides = dict(stride_qt=8192, stride_qh=512, stride_kt=512, stride_kh=256,
+                   stride_vt=512, stride_vh=256, stride_cos=64, stride_sin=64,
+                   stride_ot=4096, stride_oh=256, stride_kcs=512, stride_kch=256,
+                   stride_vcs=512, stride_vch=256)
+    prologue.update({n: I32 for n in strides})
+    out.append(Variant("attention prologue (q/k norm, RoPE, K/V write)",
+                       "target.kernels.qk_rope_triton", "_qk_norm_rope_kernel", prologue,
+                       {"DIM": 256, "BLOCK_D": 256, "ROTARY": 64}, {"num_warps": 1},
+                       {"num_q_heads": 16, **strides}))
     return out
 
 

@@ -14,7 +14,7 @@ from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
 from target.kernels import attention as attn_kernels
-from target.kernels import attention_triton, fused
+from target.kernels import attention_triton, fused, qk_rope_triton
 from target.layers.linear import ColumnParallelLinear, RowParallelLinear
 from target.layers.norm import RMSNorm
 from target.layers.rotary import RotaryEmbedding
@@ -32,6 +32,9 @@ class GatedAttention(nn.Module):
         self.round_attention = "reference"
         # the triton rounds' launch shape (KernelConfig.attention_launch; None: the default)
         self.triton_launch = None
+        # the q/k norms, RoPE and cache writes (KernelConfig.prologue_kernel): "torch" or
+        # "triton" (target/kernels/qk_rope_triton.py)
+        self.prologue = "torch"
         self.layer_idx = layer_idx
         self.head_dim = d = cfg.head_dim
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
@@ -56,10 +59,15 @@ class GatedAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(batch.positions, batch.attn_meta)
-        q, k = fused.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                  cos, sin, self.rotary.rotary_dim)
         k_cache, v_cache = caches.kv[self.layer_idx]
-        attn_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if self.prologue == "triton":  # norms, RoPE and the cache writes in one launch
+            q = qk_rope_triton.qk_norm_rope_store(
+                q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin,
+                self.rotary.rotary_dim, k_cache, v_cache, batch.slot_mapping)
+        else:
+            q, k = fused.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight,
+                                      self.q_norm.eps, cos, sin, self.rotary.rotary_dim)
+            attn_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         uniform = len(set(batch.query_lens)) == 1 and all(batch.is_verify)  # a round
         if uniform and self.round_attention == "triton":
             meta = batch.attn_meta  # the first query's position and the lengths, int32:

@@ -13,6 +13,7 @@ from target.kernels import fused
 
 @pytest.mark.parametrize("field,name", [("attention", "attention_backend"),
                                         ("attention_splits", "attention_splits"),
+                                        ("attention_prologue", "attention_prologue"),
                                         ("moe", "moe_backend"),
                                         ("moe_routing", "moe_routing"),
                                         ("gdn_rounds", "gdn_rounds"),
@@ -23,20 +24,23 @@ def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
 
 
 def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny_demo):
-    from target.kernels import gdn_slots, moe_route, moe_sorted, moe_triton
+    from target.kernels import gdn_slots, moe_route, moe_sorted, moe_triton, qk_rope_triton
 
-    for module in (moe_route, gdn_slots, moe_sorted, moe_triton):
+    for module in (moe_route, gdn_slots, moe_sorted, moe_triton, qk_rope_triton):
         monkeypatch.setattr(module, "_interpreted", lambda: False)
     with pytest.raises(ValueError, match="moe_routing 'triton'"):
         KernelConfig(moe_routing="triton").routing_kernel("cpu")
     with pytest.raises(ValueError, match="gdn_recurrence 'slots'"):
         KernelConfig(gdn_recurrence="slots").recurrence_kernel("cpu")
+    with pytest.raises(ValueError, match="attention_prologue 'triton'"):
+        KernelConfig(attention_prologue="triton").prologue_kernel("cpu")
     for moe in ("pairs", "sorted"):  # at EngineConfig already: `serve --moe-backend pairs`
         with pytest.raises(ValueError, match=f"moe_backend '{moe}'"):
             EngineConfig(model=str(tiny_demo[0]), moe_backend=moe)
     default = KernelConfig()
     assert (default.routing_kernel("cpu"), default.recurrence_kernel("cpu"),
-            default.experts_kernel("cpu")) == ("torch", "fla", "auto")
+            default.experts_kernel("cpu"), default.prologue_kernel("cpu")) == (
+                "torch", "fla", "auto", "torch")
 
 
 def test_auto_takes_the_triton_kernels_on_cuda_only():
@@ -78,6 +82,7 @@ def choices(target, draft) -> dict[str, set]:
     moes = layers(target, SparseMoE)
     return {
         "round_attention": {m.round_attention for m in layers(target, GatedAttention)},
+        "prologue": {m.prologue for m in layers(target, GatedAttention)},
         "launch": {m.triton_launch for m in layers(target, GatedAttention)
                    + layers(draft, DraftAttention)},
         "batched_rounds": {m.batched_rounds for m in layers(target, GatedDeltaNet)},
@@ -102,7 +107,7 @@ def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
         target.set_kernels(kernels, graphs=True)
         draft.set_kernels(kernels, graphs=True)
         assert choices(target, draft) == {
-            "round_attention": {"gathered"}, "batched_rounds": {False},
+            "round_attention": {"gathered"}, "prologue": {"torch"}, "batched_rounds": {False},
             "launch": {attention_triton.ADAPTIVE_LAUNCH},
             "routing": {"torch"}, "experts": {moe}, "block_attention": {"gathered"}}
     finally:
