@@ -47,6 +47,11 @@ MOE_ROUTING = ("auto", "torch", "triton")
 # kernel on the states gathered out of the cache, scattered back; the torch reference off
 # CUDA); "auto" is slots where Triton runs (CUDA), fla elsewhere.
 GDN_RECURRENCE = ("auto", "fla", "slots")
+# The Gated DeltaNet's conv, head split, q/k norms and gates in uniform rounds: "torch"
+# (fused.gdn_gates and fused.conv_split_heads, compiled) or, with the slots recurrence,
+# "triton" (target/kernels/gdn_prologue.py: one launch per layer, a decode's conv state written
+# in it; not yet measured on a GPU).
+GDN_PROLOGUE = ("torch", "triton")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -87,6 +92,7 @@ class KernelConfig:
     moe_routing: str = "auto"  # MOE_ROUTING
     gdn_rounds: str = "batched"  # GDN_ROUNDS
     gdn_recurrence: str = "auto"  # GDN_RECURRENCE
+    gdn_prologue: str = "torch"  # GDN_PROLOGUE
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
     # functions are shared by every model in the process.
@@ -100,6 +106,7 @@ class KernelConfig:
         _check("moe_routing", self.moe_routing, MOE_ROUTING)
         _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
         _check("gdn_recurrence", self.gdn_recurrence, GDN_RECURRENCE)
+        _check("gdn_prologue", self.gdn_prologue, GDN_PROLOGUE)
 
     def attention_kernel(self, device: torch.device | str) -> str:
         """The resolved attention on this device: "triton" or "torch". "auto" takes triton on
@@ -157,6 +164,17 @@ class KernelConfig:
 
         return _triton_or(self.gdn_recurrence, "gdn_recurrence", gdn_slots, device, "fla",
                           triton_name="slots")
+
+    def gdn_prologue_kernel(self, device: torch.device | str) -> str:
+        """gdn_prologue, checked against the device: "triton" needs Triton and CUDA (or
+        TRITON_INTERPRET=1) and the slots recurrence (it leaves q and k at the key heads)."""
+        from target.kernels import gdn_prologue
+
+        if self.gdn_prologue == "triton":
+            _check_triton("gdn_prologue 'triton'", gdn_prologue, device)
+            if self.recurrence_kernel(device) != "slots":
+                raise ValueError("gdn_prologue 'triton' needs gdn_recurrence 'slots'")
+        return self.gdn_prologue
 
     def round_attention(self, device: torch.device | str, graphs: bool) -> str:
         """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";

@@ -74,6 +74,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         set_round_attention(self, kernels.round_attention(device, graphs))
         routing = kernels.routing_kernel(device)
         recurrence = kernels.recurrence_kernel(device)
+        gdn_prologue = kernels.gdn_prologue_kernel(device)
         experts = kernels.experts_kernel(device)
         launch = kernels.attention_launch()
         prologue = kernels.prologue_kernel(device)
@@ -82,7 +83,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
                 m.triton_launch, m.prologue = launch, prologue
             elif isinstance(m, GatedDeltaNet):
                 m.batched_rounds = kernels.gdn_rounds == "batched"
-                m.recurrence = recurrence
+                m.recurrence, m.prologue = recurrence, gdn_prologue
             elif isinstance(m, SparseMoE):
                 m.routing = routing
                 m.experts.kernel = experts

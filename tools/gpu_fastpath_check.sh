@@ -82,7 +82,7 @@ variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
     --prompt-len 512 --iters 10 --warmup 3 \
-    --variants ${VARIANTS:-attention_splits=adaptive attention_prologue=triton attention_splits=adaptive,attention_prologue=triton moe=auto} \
+    --variants ${VARIANTS:-attention_splits=adaptive attention_prologue=triton gdn_prologue=triton attention_splits=adaptive,attention_prologue=triton,gdn_prologue=triton moe=auto} \
     --out "$OUT/engine_variants.json" 2>&1 | tee "$OUT/engine_variants.log" \
     | grep -v "falling back" | tail -12 ;;
 esac; done

@@ -175,6 +175,23 @@ def _gdn_variants() -> list[Variant]:
                             "stride_qs": 8192 * (3 + length), "stride_qc": 3 + length,
                             "stride_ql": 1, "stride_cn": 8192 * 3, "stride_cc": 3,
                             "stride_ck": 1}))
+    # the prologue (gdn_prologue): x a view of the input projection's [T, 12352] output (the
+    # 8192 conv channels, then z 4096, b 32, a 32); the cache [N, 8192, 3]; weight [8192, 4]
+    prologue = {n: "*bf16" for n in ("x_ptr", "cache_ptr")}
+    prologue.update({"slots_ptr": "*i64", "w_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16",
+                     "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "q_ptr": "*bf16",
+                     "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
+                     "seq_ptr": "*bf16", "width": I32, "key_dim": I32, "q_scale": "fp32"})
+    for label, length in (("decode", 1), ("verify", 16)):
+        strides = dict(stride_xs=12352 * length, stride_xl=12352, stride_cn=8192 * 3,
+                       stride_cc=3, stride_ck=1, stride_wc=4, stride_wk=1, stride_at=12352,
+                       stride_bt=12352, stride_qs=8192 * (3 + length), stride_qc=3 + length,
+                       stride_qk=1)
+        out.append(Variant(f"gdn prologue {label}", "target.kernels.gdn_prologue",
+                           "_prologue_kernel", {**prologue, **{n: I32 for n in strides}},
+                           {"K": 4, "DK": 128, "DV_GROUP": 256, "RATIO": 2, "BLOCK_K": 128,
+                            "BLOCK_V": 256, "BLOCK_R": 2, "WRITE_STATE": length == 1},
+                           {"num_warps": 4}, {"width": length, "key_dim": 2048, **strides}))
     return out
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
-from target.kernels import fused, gdn, gdn_slots
+from target.kernels import fused, gdn, gdn_prologue, gdn_slots
 from target.layers.linear import ColumnParallelLinear, RowParallelLinear, load_sharded_1d
 from target.layers.norm import GatedRMSNorm
 from target.weights import WeightSource, copy_into, expect_shape
@@ -60,6 +60,10 @@ class GatedDeltaNet(nn.Module):
         # states (the torch reference off CUDA), or "slots" (target/kernels/gdn_slots.py: the
         # states read and written in place by slot).
         self.recurrence = "fla"
+        # The batched rounds' conv, head split, norms and gates (KernelConfig.gdn_prologue):
+        # "torch" (compiled chains) or, with the slots recurrence, "triton"
+        # (target/kernels/gdn_prologue.py: one launch, a decode's conv state written in it)
+        self.prologue = "torch"
         self.layer_idx = layer_idx
         self.tp = tp
         self.num_k_heads = tp.shard(cfg.linear_num_key_heads, "linear_num_key_heads")
@@ -105,16 +109,16 @@ class GatedDeltaNet(nn.Module):
         # x [T, hidden]
         mixed_qkv, z, b, a = self.in_proj(x).split(self.in_proj_splits, dim=-1)  # [T, C] …
         z = z.reshape(-1, self.num_v_heads, self.head_v_dim)
-        # [T, H]: g fp32, β in the recurrence's dtype
-        g, beta = fused.gdn_gates(b, a, self.A_log, self.dt_bias, gdn.recurrence_dtype(x))
         conv_cache, ssm_cache = caches.conv[self.layer_idx], caches.ssm[self.layer_idx]
         weight = self.conv1d.weight[:, 0, :]
         journal = batch.journal.setdefault(self.layer_idx, [])
         if self.batched_rounds and all(batch.is_verify) and len(set(batch.query_lens)) == 1:
-            o = self._verify_round(mixed_qkv, g, beta, batch, conv_cache, ssm_cache, weight,
+            o = self._verify_round(mixed_qkv, b, a, batch, conv_cache, ssm_cache, weight,
                                    journal)
             o = self.norm(o.to(x.dtype), z).reshape(x.shape[0], -1)
             return self.out_proj(o)
+        # [T, H]: g fp32, β in the recurrence's dtype
+        g, beta = fused.gdn_gates(b, a, self.A_log, self.dt_bias, gdn.recurrence_dtype(x))
         cu = batch.cu_seqlens
         outs = []
         for s in range(batch.num_seqs):
@@ -132,7 +136,7 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o, z).reshape(x.shape[0], -1)
         return self.out_proj(o)
 
-    def _verify_round(self, mixed_qkv, g, beta, batch, conv_cache, ssm_cache, weight,
+    def _verify_round(self, mixed_qkv, b, a, batch, conv_cache, ssm_cache, weight,
                       journal) -> torch.Tensor:
         """Every sequence verifies L tokens: one batched conv and one batched recurrence (one
         fla call on CUDA) instead of a loop over sequences. Reads the committed states, writes
@@ -142,21 +146,29 @@ class GatedDeltaNet(nn.Module):
         slots = batch.state_slots_t
         x = mixed_qkv.view(n_seqs, width, -1)  # [S, L, C]
         in_place = self.recurrence == "slots"
+        qk_dtype = gdn.recurrence_dtype(x)
         # q, k, v [S, L, H, D] (q and k at the key heads for the slots kernel: it maps value
-        # heads to them); conv_seq [S, C, K-1+L] the committed conv state, then the inputs
-        q, k, v, conv_seq = fused.conv_split_heads(
-            x, conv_cache, slots, weight, self.local_segments[0], self.num_k_heads,
-            self.head_k_dim, self.num_v_heads, self.head_v_dim, gdn.recurrence_dtype(x),
-            not in_place)
-        g, beta = g.view(n_seqs, width, -1), beta.view(n_seqs, width, -1)
+        # heads to them); g, β [S, L, Hv]; conv_seq [S, C, K-1+L] the committed conv state,
+        # then the inputs (None where the Triton prologue wrote a decode's state already)
+        if self.prologue == "triton":
+            q, k, v, g, beta, conv_seq = gdn_prologue.conv_split_gates(
+                x, conv_cache, slots, weight, a, b, self.A_log, self.dt_bias, self.num_k_heads,
+                self.head_k_dim, self.num_v_heads, self.head_v_dim, qk_dtype, qk_dtype)
+        else:
+            g, beta = fused.gdn_gates(b, a, self.A_log, self.dt_bias, qk_dtype)
+            g, beta = g.view(n_seqs, width, -1), beta.view(n_seqs, width, -1)
+            q, k, v, conv_seq = fused.conv_split_heads(
+                x, conv_cache, slots, weight, self.local_segments[0], self.num_k_heads,
+                self.head_k_dim, self.num_v_heads, self.head_v_dim, qk_dtype, not in_place)
         if in_place:  # decode writes its final states in place, a verify only reads them
             o = gdn_slots.recurrent_slots(q, k, v, g, beta, ssm_cache, slots,
                                           write_state=width == 1)
         else:
             o, final = gdn.gated_delta_rule_batched(q, k, v, g, beta, ssm_cache[slots])
         if width == 1:  # autoregressive decode: its one token is always kept, commit in place
-            commit_conv = gdn_slots.commit_conv if in_place else gdn_slots.commit_conv_reference
-            commit_conv(conv_seq, conv_cache, slots, 1)
+            if conv_seq is not None:
+                commit = gdn_slots.commit_conv if in_place else gdn_slots.commit_conv_reference
+                commit(conv_seq, conv_cache, slots, 1)
             if not in_place:
                 ssm_cache[slots] = final.to(ssm_cache.dtype)
         else:

@@ -17,16 +17,24 @@ from target.kernels import fused
                                         ("moe", "moe_backend"),
                                         ("moe_routing", "moe_routing"),
                                         ("gdn_rounds", "gdn_rounds"),
-                                        ("gdn_recurrence", "gdn_recurrence")])
+                                        ("gdn_recurrence", "gdn_recurrence"),
+                                        ("gdn_prologue", "gdn_prologue")])
 def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
     with pytest.raises(ValueError, match=name):
         KernelConfig(**{field: "nope"})
 
 
 def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny_demo):
-    from target.kernels import gdn_slots, moe_route, moe_sorted, moe_triton, qk_rope_triton
+    from target.kernels import (
+        gdn_prologue,
+        gdn_slots,
+        moe_route,
+        moe_sorted,
+        moe_triton,
+        qk_rope_triton,
+    )
 
-    for module in (moe_route, gdn_slots, moe_sorted, moe_triton, qk_rope_triton):
+    for module in (moe_route, gdn_slots, moe_sorted, moe_triton, qk_rope_triton, gdn_prologue):
         monkeypatch.setattr(module, "_interpreted", lambda: False)
     with pytest.raises(ValueError, match="moe_routing 'triton'"):
         KernelConfig(moe_routing="triton").routing_kernel("cpu")
@@ -34,6 +42,8 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
         KernelConfig(gdn_recurrence="slots").recurrence_kernel("cpu")
     with pytest.raises(ValueError, match="attention_prologue 'triton'"):
         KernelConfig(attention_prologue="triton").prologue_kernel("cpu")
+    with pytest.raises(ValueError, match="gdn_prologue 'triton'"):
+        KernelConfig(gdn_prologue="triton").gdn_prologue_kernel("cpu")
     for moe in ("pairs", "sorted"):  # at EngineConfig already: `serve --moe-backend pairs`
         with pytest.raises(ValueError, match=f"moe_backend '{moe}'"):
             EngineConfig(model=str(tiny_demo[0]), moe_backend=moe)
@@ -57,6 +67,10 @@ def test_auto_takes_the_triton_kernels_on_cuda_only():
         "triton", "slots")
     forced = KernelConfig(moe_routing="torch", gdn_recurrence="fla")
     assert (forced.routing_kernel("cuda"), forced.recurrence_kernel("cuda")) == ("torch", "fla")
+    # the Triton GDN prologue leaves q and k at the key heads: the slots recurrence only
+    assert KernelConfig(gdn_prologue="triton").gdn_prologue_kernel("cuda") == "triton"
+    with pytest.raises(ValueError, match="needs gdn_recurrence 'slots'"):
+        KernelConfig(gdn_prologue="triton", gdn_recurrence="fla").gdn_prologue_kernel("cuda")
 
 
 def test_attention_resolves_per_device_and_use():
@@ -86,6 +100,7 @@ def choices(target, draft) -> dict[str, set]:
         "launch": {m.triton_launch for m in layers(target, GatedAttention)
                    + layers(draft, DraftAttention)},
         "batched_rounds": {m.batched_rounds for m in layers(target, GatedDeltaNet)},
+        "gdn_prologue": {m.prologue for m in layers(target, GatedDeltaNet)},
         "routing": {m.routing for m in moes},
         "experts": {m.experts.kernel for m in moes},
         "block_attention": {m.block_attention for m in layers(draft, DraftAttention)},
@@ -108,6 +123,7 @@ def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
         draft.set_kernels(kernels, graphs=True)
         assert choices(target, draft) == {
             "round_attention": {"gathered"}, "prologue": {"torch"}, "batched_rounds": {False},
+            "gdn_prologue": {"torch"},
             "launch": {attention_triton.ADAPTIVE_LAUNCH},
             "routing": {"torch"}, "experts": {moe}, "block_attention": {"gathered"}}
     finally:
