@@ -182,6 +182,8 @@ def test_bf16_decode_inside_a_cuda_graph():
     x, cache, slots, weight, a, b, a_log, dt_bias, heads = problem(
         (4, 1, 16, 128, 32, 128, 4, False), torch.bfloat16, "cuda")
     want = reference(x, cache, slots, weight, a, b, a_log, dt_bias, heads, torch.bfloat16)
+    gdn_prologue.conv_split_gates(x, cache.clone(), slots, weight, a, b, a_log,  # compiles
+                                  dt_bias, *heads, torch.bfloat16, torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gdn_prologue.conv_split_gates(x, cache, slots, weight, a, b, a_log, dt_bias,

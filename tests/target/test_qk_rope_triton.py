@@ -153,6 +153,8 @@ def test_bf16_inside_a_cuda_graph():
     args = problem(CASES["real_head"], torch.bfloat16, "cuda")
     q, k, v, q_w, k_w, cos, sin, rotary, k_cache, v_cache, slots = args
     want = reference(*args)
+    qk_rope_triton.qk_norm_rope_store(q, k, v, q_w, k_w, 1e-6, cos, sin, rotary,  # compiles
+                                      k_cache.clone(), v_cache.clone(), slots)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = qk_rope_triton.qk_norm_rope_store(q, k, v, q_w, k_w, 1e-6, cos, sin, rotary,
