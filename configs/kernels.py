@@ -131,7 +131,7 @@ class KernelConfig:
             return attention_triton.ADAPTIVE_LAUNCH
         return attention_triton.LAUNCH
 
-    def prologue_kernel(self, device: torch.device | str) -> str:
+    def attention_prologue_kernel(self, device: torch.device | str) -> str:
         """attention_prologue, checked against the device: "triton" needs Triton and CUDA
         (or TRITON_INTERPRET=1)."""
         from target.kernels import qk_rope_triton

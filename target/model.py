@@ -77,10 +77,10 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         gdn_prologue = kernels.gdn_prologue_kernel(device)
         experts = kernels.experts_kernel(device)
         launch = kernels.attention_launch()
-        prologue = kernels.prologue_kernel(device)
+        attention_prologue = kernels.attention_prologue_kernel(device)
         for m in self.modules():
             if isinstance(m, GatedAttention):
-                m.triton_launch, m.prologue = launch, prologue
+                m.triton_launch, m.prologue = launch, attention_prologue
             elif isinstance(m, GatedDeltaNet):
                 m.batched_rounds = kernels.gdn_rounds == "batched"
                 m.recurrence, m.prologue = recurrence, gdn_prologue

@@ -32,7 +32,7 @@ class GatedAttention(nn.Module):
         self.round_attention = "reference"
         # the triton rounds' launch shape (KernelConfig.attention_launch; None: the default)
         self.triton_launch = None
-        # the q/k norms, RoPE and cache writes (KernelConfig.prologue_kernel): "torch" or
+        # the q/k norms, RoPE and cache writes (KernelConfig.attention_prologue): "torch" or
         # "triton" (target/kernels/qk_rope_triton.py)
         self.prologue = "torch"
         self.layer_idx = layer_idx

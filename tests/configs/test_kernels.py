@@ -41,7 +41,7 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
     with pytest.raises(ValueError, match="gdn_recurrence 'slots'"):
         KernelConfig(gdn_recurrence="slots").recurrence_kernel("cpu")
     with pytest.raises(ValueError, match="attention_prologue 'triton'"):
-        KernelConfig(attention_prologue="triton").prologue_kernel("cpu")
+        KernelConfig(attention_prologue="triton").attention_prologue_kernel("cpu")
     with pytest.raises(ValueError, match="gdn_prologue 'triton'"):
         KernelConfig(gdn_prologue="triton").gdn_prologue_kernel("cpu")
     for moe in ("pairs", "sorted"):  # at EngineConfig already: `serve --moe-backend pairs`
@@ -49,7 +49,7 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
             EngineConfig(model=str(tiny_demo[0]), moe_backend=moe)
     default = KernelConfig()
     assert (default.routing_kernel("cpu"), default.recurrence_kernel("cpu"),
-            default.experts_kernel("cpu"), default.prologue_kernel("cpu")) == (
+            default.experts_kernel("cpu"), default.attention_prologue_kernel("cpu")) == (
                 "torch", "fla", "auto", "torch")
 
 
