@@ -17,9 +17,10 @@ Roundings are the eager reference's (gdn_torch.causal_conv_batched, fused.gdn_sp
 fused.gdn_gates): the conv's K products summed in fp32 in tap order, rounded to the model
 dtype; SiLU in fp32, rounded; the norms in fp32, rounded once to the recurrence's dtype.
 
-Triton is optional: without it this module imports, defines no kernel and `available` is
-False. On CPU tensors the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1 set
-before triton is first imported; tests/target/test_gdn_prologue.py runs it in a child)."""
+Triton is optional: without it this module imports and defines no kernel (KernelConfig
+refuses the choice). On CPU tensors the kernel runs only in Triton's interpreter
+(TRITON_INTERPRET=1 set before triton is first imported; tests/target/test_gdn_prologue.py runs it
+in a child)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
-
-
-def available(device: torch.device | str) -> bool:
-    """The kernel runs on `device`: Triton imports and the device is CUDA, or the
-    interpreter is on."""
-    return triton is not None and (torch.device(device).type == "cuda" or _interpreted())
 
 
 def conv_split_gates(x: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Tensor,

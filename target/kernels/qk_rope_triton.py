@@ -13,9 +13,10 @@ norm in fp32, rounded to the dtype; each RoPE product rounded, then their sum, a
 tensor ops in that dtype round (a product of two half values is exact in fp32, so computing
 it there and rounding once is that op). Only the mean of squares sums in another order.
 
-Triton is optional: without it this module imports, defines no kernel and `available` is
-False. On CPU tensors the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1 set
-before triton is first imported; tests/target/test_qk_rope_triton.py runs it in a child)."""
+Triton is optional: without it this module imports and defines no kernel (KernelConfig
+refuses the choice). On CPU tensors the kernel runs only in Triton's interpreter
+(TRITON_INTERPRET=1 set before triton is first imported; tests/target/test_qk_rope_triton.py runs it
+in a child)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
-
-
-def available(device: torch.device | str) -> bool:
-    """The kernel runs on `device`: Triton imports and the device is CUDA, or the
-    interpreter is on."""
-    return triton is not None and (torch.device(device).type == "cuda" or _interpreted())
 
 
 def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
