@@ -91,9 +91,7 @@ def compare(got, want) -> dict:
         if a.dtype == torch.float32:
             err = max(err, ((a.double() - b.double()).norm() / b.double().norm()).item())
             continue
-        big = torch.maximum(a.abs(), b.abs()).float().clamp_min(1e-30)
-        spacing = torch.exp2(torch.floor(torch.log2(big))) * torch.finfo(a.dtype).eps
-        ulps = max(ulps, ((a.float() - b.float()).abs() / spacing).max().item())
+        ulps = max(ulps, triton_child.max_ulps(a, b))
         equal += int((a == b).sum())
         n += a.numel()
     return {"fp32_rel_err": err, "half_max_ulps": ulps, "half_equal": equal / n if n else 1.0}

@@ -69,14 +69,12 @@ def consistency(device: str, tokens: int = 5, k: int = 4, experts: int = 8,
     alone = torch.cat([sorted_experts(x[i : i + 1], gate_up, down, ids[i : i + 1],
                                       w[i : i + 1]) for i in range(tokens)])
     other = pair_experts(x, gate_up, down, ids, w)
-    big = torch.maximum(got.abs(), other.abs()).float().clamp_min(1e-30)
-    spacing = torch.exp2(torch.floor(torch.log2(big))) * torch.finfo(dtype).eps
     rows = sorted_experts(x, gate_up, down, ids, w, reduce=False)  # the layer's call
     return {"token0_alone_equal": bool(torch.equal(alone[0], got[0])),
             "rows_sum_equal": bool(torch.equal(fused.weighted_slot_sum(rows, w), got)),
             "batch_mismatches": int((got != alone).sum()),
             "pairs_equal": (got == other).float().mean().item(),
-            "pairs_max_ulps": ((got.float() - other.float()).abs() / spacing).max().item()}
+            "pairs_max_ulps": triton_child.max_ulps(got, other)}
 
 
 def all_case_errors() -> dict[str, float | str]:

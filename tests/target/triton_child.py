@@ -32,6 +32,14 @@ def case_errors(cases, dtypes, case_error: Callable[[str, str, str], float | str
     return out
 
 
+def max_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference between two tensors of one floating dtype, in spacings of that
+    dtype at the larger magnitude of each pair."""
+    big = torch.maximum(got.abs(), want.abs()).float().clamp_min(1e-30)
+    spacing = torch.exp2(torch.floor(torch.log2(big))) * torch.finfo(got.dtype).eps
+    return ((got.float() - want.float()).abs() / spacing).max().item()
+
+
 def run(test_file: str) -> dict | None:
     """The JSON the test file prints as the interpreter child (its last line); None on CUDA,
     where the tests compute their own."""
