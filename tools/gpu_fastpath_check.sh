@@ -14,11 +14,11 @@
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
 #   attnsweep bench/round_attention.py: the Triton attention with fixed and adaptive splits
-#            (KernelConfig attention_splits) at 512, 8k and 128k keys, 1 and 8 sequences,
-#            1 and 16 queries each
+#            (KernelConfig attention_splits; at most 128 splits, and 512) at 512, 8k and 128k
+#            keys, 1 and 8 sequences, 1 and 16 queries each
 #   variants bench/engine.py at batch 1 and 8, B = 16, in one process: the default kernels, then
-#            each kernel variant (VARIANTS, KernelConfig fields; by default the paths the
-#            defaults replaced), then the defaults again (the same-run spread)
+#            each kernel variant (VARIANTS, KernelConfig fields; by default the variants not
+#            yet measured), then the defaults again (the same-run spread)
 # Usage: pip download --no-deps -d .whl flash-linear-attention fla-core   (on a machine with pip)
 #        pip download --no-deps dflash==0.1.0 -d .whl   (the tests' reference draft)
 #        OUT=/some/dir bash tools/gpu_fastpath_check.sh [tests profile golden bench]
@@ -74,9 +74,11 @@ moe)
 linear)
   timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda \
     --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" | tail -12 ;;
-attnsweep)  # the last --launch field is max_splits (attention_triton.ADAPTIVE_LAUNCH)
+attnsweep)  # the last --launch field is max_splits: 128 is attention_triton.ADAPTIVE_LAUNCH;
+  # 512 splits 128k keys in 256s (512 programs a kv head for a long decode, not 128)
   timeout ${ATTN_TIMEOUT:-240} python3 -m bench.round_attention --keys 512 8192 131072 \
-    --seqs 1 8 --widths 1 16 --forms triton --launch 1024,32,64,4,2,32,64 \
+    --seqs 1 8 --widths 1 16 --forms triton \
+    --launch 1024,32,64,4,2,32,128 1024,32,64,4,2,32,512 \
     --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -16 ;;
 variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
