@@ -101,12 +101,15 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
     add_kernel_args(p)
+    p.add_argument("--variant", default="", metavar="FIELD=VALUE[,…]",
+                   help="KernelConfig fields over the flags' kernels, as bench/engine.py "
+                        "--variants takes them (e.g. gdn_prologue=triton)")
     p.add_argument("--out", help="append the operator tables to this file")
     args = p.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     target = build_target(target_preset(args.preset), dtype, device)
     draft = build_draft(draft_preset(args.preset), dtype, device, args.block_size)
-    graphs = set_kernels(target, draft, args, device)
+    graphs = set_kernels(target, draft, args, device, args.variant)
     B, b = args.block_size, args.batch
     max_new = (2 * args.steps + 8) * 2 * B
     pages = -(-(args.prompt_len + max_new) // 16)

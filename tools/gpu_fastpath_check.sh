@@ -4,7 +4,8 @@
 #   tests    every `gpu` test of the engine (kernels against their references, CUDA graphs)
 #   moetests the routed-expert and routing tests alone, and the pair / sorted kernels' bf16
 #            consistency at real sizes (alone vs batched; against grouped / pairs)
-#   profile  bench/profile_step.py at batch 1 (CUDA graphs)
+#   profile  bench/profile_step.py at batch 1 (CUDA graphs; PROFILE_VARIANT: KernelConfig fields
+#            over the defaults, e.g. "gdn_prologue=triton", written to profile_b1_variant.txt)
 #   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts)
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
 #   nofuse   the same without the compiled elementwise chains (--no-fuse), B = 16, no baseline
@@ -51,7 +52,8 @@ print(json.dumps({name: {t: m.consistency('cuda', t, 8, 256, 2048, 512) for t in
     | tee "$OUT/moe_consistency.json" ;;
 profile)  # batch 1, CUDA graphs
   timeout ${PROFILE_TIMEOUT:-150} python3 -m bench.profile_step --device cuda --batch 1 \
-    --block-size 16 --out "$OUT/profile_b1.txt" 2>&1 | grep -E '^\{|Error|error' | tail -5 ;;
+    --block-size 16 --out "$OUT/profile_b1${PROFILE_VARIANT:+_variant}.txt" \
+    ${PROFILE_VARIANT:+--variant $PROFILE_VARIANT} 2>&1 | grep -E '^\{|Error|error' | tail -5 ;;
 golden)
   for dtype in ${GOLDEN_DTYPES:-float32 bfloat16}; do
     timeout ${GOLDEN_TIMEOUT:-150} python3 -m tools.golden_check --model tests/assets/tiny/target \
