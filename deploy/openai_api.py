@@ -27,7 +27,6 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -207,6 +206,21 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ClientDisconnect()
     return task.result()
+
+
+class _ClosingStream(StreamingResponse):
+    """A stream whose body is closed however the response ends, which aborts the engine
+    requests still running at once. Starlette itself leaves the body open when the response
+    does not complete: a send that fails because the client left (ASGI ≥ 2.4) or a handler
+    cancelled when it did (Ray Serve cancels a replica's request then). The body then closed
+    only when the collector found it, with a reference cycle as late as a full collection,
+    and the request went on generating until then or to its end."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _sse(payload: dict | str) -> str:
@@ -433,10 +447,7 @@ class OpenAIServer:
             echoes = [text for _, text in prompts for _ in range(n)]
             if req.stream:
                 body = self._stream(endpoint, req, request_id, gens, echoes)
-                # Starlette does not close the body after a disconnect; closing it aborts the
-                # engine request now rather than whenever the generator is collected.
-                return StreamingResponse(body, media_type="text/event-stream",
-                                         background=BackgroundTask(body.aclose))
+                return _ClosingStream(body, media_type="text/event-stream")
             response = await _unless_disconnected(
                 request, self._complete(req, request_id, gens, echoes))
         except ClientDisconnect:  # the engine requests were aborted; nobody reads a reply

@@ -472,3 +472,84 @@ def test_the_grafana_dashboard_reads_only_series_the_server_exports(server, oai)
     named = {n for e in exprs for n in re.findall(r"dflash_[a-z0-9_]+", e)}
     assert len(dash["panels"]) >= 10 and named and named <= exported, named - exported
     assert all('model_name=~"$model_name"' in e for e in exprs)
+
+
+class _EndlessClient:
+    """An engine client whose every request streams one token per output and never ends;
+    `closed` names the requests whose stream was closed (which aborts them)."""
+
+    model_name, max_model_len, vocab_size = "endless", 4096, 100
+
+    def __init__(self):
+        self.closed: list[str] = []
+
+    def snapshot(self):  # (read only by /metrics)
+        raise EngineDeadError("no engine")
+
+    async def generate(self, request_id, prompt_ids, params, timing=None):
+        from cluster.engine import RequestOutput
+
+        try:
+            while True:
+                await asyncio.sleep(0)
+                yield RequestOutput(request_id, list(prompt_ids), [7], [], False, None, [])
+        finally:
+            self.closed.append(request_id)
+
+
+@pytest.mark.parametrize("leaves", ["send_fails", "cancelled"])
+def test_a_stream_whose_client_leaves_is_closed_at_once(leaves):
+    """The streamed body is closed, and with it the engine request, as the response ends,
+    however it ends: a send failing because the client left (ASGI 2.4), or the handler
+    cancelled (as Ray Serve cancels a replica's request when its client leaves). Checked with
+    the garbage collector off and before the event loop runs again: no finalizer does it."""
+    import gc
+    import json
+
+    from starlette.requests import ClientDisconnect
+
+    client = _EndlessClient()
+    app = openai_api.build_app(client, None)
+    body = json.dumps({"model": "endless", "prompt": [1, 2, 3], "max_tokens": 900,
+                       "stream": True, "ignore_eos": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+             "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+
+    async def run() -> list[str]:
+        requests = [{"type": "http.request", "body": body, "more_body": False}]
+        third_chunk = asyncio.Event()
+        chunks = 0
+
+        async def receive():
+            if requests:
+                return requests.pop()
+            await asyncio.Event().wait()  # the client says nothing more
+
+        async def send(message):
+            nonlocal chunks
+            if message["type"] == "http.response.body":
+                chunks += 1
+                if chunks == 3:
+                    third_chunk.set()
+                    if leaves == "send_fails":
+                        raise OSError("the client is gone")
+                    await asyncio.Event().wait()  # blocked until cancelled
+
+        task = asyncio.ensure_future(app(scope, receive, send))
+        await third_chunk.wait()
+        if leaves == "cancelled":
+            task.cancel()
+        with pytest.raises(ClientDisconnect if leaves == "send_fails" else asyncio.CancelledError):
+            await task
+        return list(client.closed)  # before the loop runs a finalizer
+
+    gc.disable()
+    try:
+        closed = asyncio.run(run())
+    finally:
+        gc.enable()
+    assert len(closed) == 1
