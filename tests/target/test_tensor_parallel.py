@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo, spawned processes, no Ray): TP 2 and TP 4 give the TP 1
-logits through prefill, verify, partial commit and verify again; each rank holds exactly its
-shard of every parameter (the sharding rules of target/layers/linear.py)."""
+logits through prefill, verify, partial commit and verify again, on the torch kernels and on
+the Triton round kernels (in Triton's interpreter); each rank holds exactly its shard of every
+parameter (the sharding rules of target/layers/linear.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tp_worker import reference, run_rank
+from tp_worker import TRITON_ROUNDS, reference, run_rank
 
 from configs.model import TargetConfig
 from target.distributed import TPGroup
@@ -29,10 +30,10 @@ RUN_TIMEOUT_S = 120  # a hung collective must fail the test, never hang the suit
 def single_rank(tiny_models):
     cache: dict[str, dict[str, torch.Tensor]] = {}
 
-    def get(layout: str) -> dict[str, torch.Tensor]:
-        if layout not in cache:
-            cache[layout] = reference(tiny_models / layout)
-        return cache[layout]
+    def get(layout: str, scenario: str = "forwards") -> dict[str, torch.Tensor]:
+        if (layout, scenario) not in cache:
+            cache[layout, scenario] = reference(tiny_models / layout, scenario)
+        return cache[layout, scenario]
 
     return get
 
@@ -43,9 +44,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_tp(model_dir: Path, size: int, out_dir: Path) -> list[dict[str, torch.Tensor]]:
-    """Spawns `size` ranks, waits for all of them, returns each rank's outputs."""
-    args = (size, free_port(), str(model_dir), str(out_dir))
+def run_tp(model_dir: Path, size: int, out_dir: Path, scenario: str = "forwards",
+           kernels: dict[str, str] | None = None) -> list[dict[str, torch.Tensor]]:
+    """Spawns `size` ranks, waits for all of them, returns each rank's outputs (tp_worker's
+    `scenario`, with `kernels` set on the model)."""
+    args = (size, free_port(), str(model_dir), str(out_dir), scenario, kernels)
     ctx = mp.start_processes(run_rank, args=args, nprocs=size, join=False, start_method="spawn")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
@@ -75,8 +78,25 @@ def run_tp(model_dir: Path, size: int, out_dir: Path) -> list[dict[str, torch.Te
      ("target", 4)],  # tp 4 > 2 kv heads: replicated
 )
 def test_tp_forwards_match_single_rank(tiny_models, single_rank, tmp_path, layout, size):
-    ranks = run_tp(tiny_models / layout, size, tmp_path)
-    expected = single_rank(layout)
+    assert_ranks_match(run_tp(tiny_models / layout, size, tmp_path), single_rank(layout), size)
+
+
+@pytest.mark.parametrize("size", [2, 4])  # tp 2: one kv head a rank; tp 4: kv heads replicated
+def test_tp_triton_rounds_match_single_rank(tiny_models, single_rank, tmp_path, monkeypatch,
+                                            size):
+    """The Triton round kernels on each rank's local heads (the attention and its prologue:
+    local query heads, kv heads sharded or replicated; the GDN prologue: local key and value
+    heads and conv channels, a decode's states written in place) against TP 1 on the torch
+    kernels. The two kernel sets differ at TP 1 by < 1e-5 here, well inside ATOL. The ranks
+    run on CPU, spawned with TRITON_INTERPRET=1: the kernels run in Triton's interpreter (the
+    test process keeps its own Triton as it is)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ranks = run_tp(tiny_models / "target", size, tmp_path, "rounds", TRITON_ROUNDS)
+    assert_ranks_match(ranks, single_rank("target", "rounds"), size)
+
+
+def assert_ranks_match(ranks: list[dict[str, torch.Tensor]],
+                       expected: dict[str, torch.Tensor], size: int) -> None:
     assert ranks[0].keys() == expected.keys()
     for name, want in expected.items():
         torch.testing.assert_close(ranks[0][name], want, atol=ATOL, rtol=0,

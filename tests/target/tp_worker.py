@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from configs.engine import SamplingParams
+from configs.kernels import KernelConfig
 from target.distributed import SINGLE, TPGroup
 from target.loader import load_target
 from target.model import Qwen3_5MoeForCausalLM
@@ -66,12 +67,60 @@ def run_scenario(model: Qwen3_5MoeForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    return run_scenario(load_target(model_dir, tp=SINGLE))
+# The Triton kernels of uniform rounds, each on its local heads: the attention and its
+# prologue, the GDN prologue on the slots recurrence (CPU: in Triton's interpreter).
+TRITON_ROUNDS = dict(attention="triton", attention_prologue="triton", gdn_recurrence="slots",
+                     gdn_prologue="triton")
+ROUND_PROMPT_LENS = (5, 11)
+ROUND_WIDTH = 3
+ROUND_KEPT = (1, 3)
 
 
-def run_rank(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
-    """Entry point of one spawned rank; writes its outputs to out_dir/rank{r}.pt."""
+@torch.inference_mode()
+def run_rounds(model: Qwen3_5MoeForCausalLM) -> dict[str, torch.Tensor]:
+    """Prefill of 2 prompts → a uniform verify round of ROUND_WIDTH tokens each → commit
+    ROUND_KEPT → a decode step (a one-token round, as the engine runs it: the GDN conv and
+    recurrent states written in the round) → a 2-token round reading them: the paths the
+    Triton round kernels take, kept small (the interpreter runs a GDN prologue program in
+    ~0.1 s). Returns each forward's logits and aux features."""
+    n = len(ROUND_PROMPT_LENS)
+    caches = allocate_target_caches(model, NUM_PAGES, PAGE, n, "cpu")
+    runner = ModelRunner(model, caches, AUX_LAYERS, "cpu")
+    gen = torch.Generator().manual_seed(11)
+    tables = [[i + n * j for j in range(NUM_PAGES // n)] for i in range(n)]
+    slots, params = [1, 0], SamplingParams()
+    out: dict[str, torch.Tensor] = {}
+
+    def forward(name: str, tokens: list[list[int]], starts: list[int], verify: bool):
+        batch = runner._batch([SeqInput(i, t, starts[i], tables[i], slots[i], params)
+                               for i, t in enumerate(tokens)], is_verify=verify)
+        hidden, aux = model(batch, caches)
+        out[f"{name}.logits"] = model.compute_logits(hidden)
+        out[f"{name}.aux"] = aux.clone()
+        return batch
+
+    lens = list(ROUND_PROMPT_LENS)
+    forward("prefill", [_tokens(gen, m) for m in lens], [0] * n, verify=False)
+    batch = forward("verify", [_tokens(gen, ROUND_WIDTH) for _ in lens], lens, verify=True)
+    model.commit_verify(batch, caches, list(ROUND_KEPT))
+    lens = [m + kept for m, kept in zip(lens, ROUND_KEPT, strict=True)]
+    forward("decode", [_tokens(gen, 1) for _ in lens], lens, verify=True)
+    forward("verify2", [_tokens(gen, 2) for _ in lens], [m + 1 for m in lens], verify=True)
+    return out
+
+
+SCENARIOS = {"forwards": run_scenario, "rounds": run_rounds}
+
+
+def reference(model_dir: str | Path, scenario: str = "forwards") -> dict[str, torch.Tensor]:
+    return SCENARIOS[scenario](load_target(model_dir, tp=SINGLE))
+
+
+def run_rank(rank: int, world_size: int, port: int, model_dir: str, out_dir: str,
+             scenario: str = "forwards", kernels: dict[str, str] | None = None) -> None:
+    """Entry point of one spawned rank; writes its outputs to out_dir/rank{r}.pt. `kernels`:
+    KernelConfig fields the model takes before the scenario (the Triton ones need
+    TRITON_INTERPRET=1 in the environment the ranks are spawned with)."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only, never a routable interface
     torch.set_num_threads(1)
     try:
@@ -81,7 +130,9 @@ def run_rank(rank: int, world_size: int, port: int, model_dir: str, out_dir: str
         try:
             tp = TPGroup(rank=rank, size=world_size, group=None)
             model = load_target(model_dir, tp=tp)
-            torch.save(run_scenario(model), Path(out_dir) / f"rank{rank}.pt")
+            if kernels:
+                model.set_kernels(KernelConfig(**kernels), graphs=False)
+            torch.save(SCENARIOS[scenario](model), Path(out_dir) / f"rank{rank}.pt")
         finally:
             dist.destroy_process_group()
     except BaseException:
