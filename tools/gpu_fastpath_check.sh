@@ -14,6 +14,9 @@
 #            1-128 tokens (MOE_ARGS: more arguments, e.g. "--kinds pair --tokens 1 2 4")
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
+#   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at ten launch shapes (with and
+#            without prefetch) and the torch / Triton prologue, decode and B = 16 verify and
+#            commit, 1 and 8 sequences
 #   attnsweep bench/round_attention.py: the Triton attention with fixed and adaptive splits
 #            (KernelConfig attention_splits; at most 128 splits, and 512) at 512, 8k and 128k
 #            keys, 1 and 8 sequences, 1 and 16 queries each
@@ -76,6 +79,9 @@ moe)
 linear)
   timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda \
     --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" | tail -12 ;;
+gdn)
+  timeout ${GDN_TIMEOUT:-240} python3 -m bench.gdn_kernel --device cuda \
+    --out "$OUT/gdn_kernel.json" 2>&1 | tee "$OUT/gdn_kernel.log" | tail -40 ;;
 attnsweep)  # the last --launch field is max_splits: 128 is attention_triton.ADAPTIVE_LAUNCH;
   # 512 splits 128k keys in 256s (512 programs a kv head for a long decode, not 128)
   timeout ${ATTN_TIMEOUT:-240} python3 -m bench.round_attention --keys 512 8192 131072 \

@@ -29,10 +29,16 @@ Three call sites, three compiled variants (the flags are constexpr, fixed per ca
            the first n_s tokens only: the loop stops at n_s (the reference's g = β = 0 past
            n_s leaves the state exactly as it is; stopping there leaves it untouched).
 
-The launch shape is one per model (BLOCK_V, NUM_WARPS; Dv alone picks the tile), never per
-step, and programs share nothing: a sequence's result is the same bits alone or in a batch,
-whatever the other sequences are. No host sync and nothing read back, so a round captures in
-a CUDA graph with its slots and kept counts in device tensors.
+The launch shape is one per model (SlotsLaunch: BLOCK_V, warps; Dv alone picks the tile), never
+per step, and programs share nothing: a sequence's result is the same bits alone or in a
+batch, whatever the other sequences are, and a decode, a verify and the commit after it run
+the same arithmetic per token. No host sync and nothing read back, so a round captures in a
+CUDA graph with its slots and kept counts in device tensors.
+
+Per token the loop's only dependence is the state: its inputs (k, v, q, g, β) are known
+before the loop starts. With SlotsLaunch.prefetch each step issues the next token's loads
+before its own arithmetic, so a verify's L tokens wait on one load latency instead of L
+(the same arithmetic in the same order: the same bits).
 
 Triton is optional, as in moe_triton.py: without it `recurrent_slots_available` is False and
 CPU callers take `recurrent_slots_reference` (plain torch, same signature and meaning). On CPU
@@ -40,6 +46,8 @@ tensors the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1 set bef
 first imported; moe_triton.py says why)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -51,9 +59,23 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+
+
+@dataclass(frozen=True)
+class SlotsLaunch:
+    """The recurrence's launch shape: `block_v` value columns per program (a [Dk, block_v]
+    fp32 state tile in registers), `warps` per program; `prefetch`: each token's step issues
+    the next token's loads before its own arithmetic (the same bits)."""
+
+    block_v: int = 32
+    warps: int = 4
+    prefetch: bool = False
+
+
 # Not tuned. Dk = Dv = 128 on the real model: a [128, 32] fp32 tile is 32 registers per thread
 # at 4 warps, and S·Hv·4 = 128·S programs (decode at batch 1 about fills an H200's 132 SMs).
-BLOCK_V, NUM_WARPS = 32, 4
+# bench/gdn_kernel.py sweeps other shapes.
+LAUNCH = SlotsLaunch()
 # commit_conv's channels per program (8192 channels on the real model: 8 programs a sequence).
 CONV_BLOCK = 1024
 
@@ -66,13 +88,15 @@ def recurrent_slots_available(x: torch.Tensor) -> bool:
 def recurrent_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, state_cache: torch.Tensor, slots: torch.Tensor, *,
                     num_kept: torch.Tensor | None = None, write_state: bool = False,
-                    need_output: bool = True) -> torch.Tensor | None:
+                    need_output: bool = True,
+                    launch: SlotsLaunch | None = None) -> torch.Tensor | None:
     """q, k [S, L, Hk, Dk] (L2-normalised, q scaled; any float dtype); v [S, L, Hv, Dv];
     g [S, L, Hv] fp32; beta [S, L, Hv]; state_cache [N, Hv, Dk, Dv] fp32; slots [S] integer,
     distinct (not checked: that would read them back); num_kept [S] integer or None (all L).
     Sequence s starts from state_cache[slots[s]]; tokens t ≥ num_kept[s] leave its state as
     it is. write_state: the final states go back to their slots in place. Returns o
-    [S, L, Hv, Dv] in v's dtype, or None when not need_output. Any strides."""
+    [S, L, Hv, Dv] in v's dtype, or None when not need_output. Any strides. `launch`
+    (benchmarks, tests) replaces LAUNCH."""
     if triton is None:
         raise RuntimeError("recurrent_slots needs triton")
     n_seqs, length, k_heads, dk = q.shape
@@ -92,16 +116,18 @@ def recurrent_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if not v.is_cuda and not _interpreted():
         raise RuntimeError("recurrent_slots on CPU tensors runs in Triton's interpreter only: "
                            "set TRITON_INTERPRET=1 before anything imports triton")
-    block_v = min(BLOCK_V, triton.next_power_of_2(dv))  # of the model alone
+    launch = launch or LAUNCH
+    block_v = min(launch.block_v, triton.next_power_of_2(dv))  # of the model alone
     slots = slots.contiguous()  # read as slots_ptr + s
     kept = slots if num_kept is None else num_kept.contiguous()  # (unread without num_kept)
     out, out_strides = (o, o.stride()) if need_output else (v, (0, 0, 0, 0))  # (unwritten)
+    prefetch = launch.prefetch and length > 1  # one token: nothing to fetch ahead (same bits)
     _recurrent_slots_kernel[(n_seqs * v_heads, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state_cache, slots, kept, out, length, v_heads, v_heads // k_heads, dv,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state_cache.stride(), *out_strides,
         DK=dk, BLOCK_V=block_v, HAS_KEPT=num_kept is not None, WRITE_STATE=write_state,
-        NEED_OUTPUT=need_output, num_warps=NUM_WARPS)
+        NEED_OUTPUT=need_output, PREFETCH=prefetch, num_warps=launch.warps)
     return o
 
 
@@ -174,11 +200,33 @@ def _interpreted() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _emit(s, q_at, o_at, col_ok):
-        # o = Sᵀq for one token: s [DK, BLOCK_V]; q_at [DK] and o_at [BLOCK_V] pointers.
-        q = tl.load(q_at).to(tl.float32)
+    def _emit(s, q, o_at, col_ok):
+        # o = Sᵀq for one token: s [DK, BLOCK_V]; q [DK] fp32; o_at [BLOCK_V] pointers.
         o = tl.sum(s * q[:, None], axis=0)  # [BLOCK_V]
         tl.store(o_at, o.to(o_at.dtype.element_ty), mask=col_ok)
+
+    @triton.jit
+    def _token_inputs(q_row, k_row, v_row, g_at, b_at, t, ok, col_ok, stride_qt, stride_kt,
+                      stride_vt, stride_gt, stride_bt, WITH_Q: tl.constexpr):
+        """Token t's k [DK], v [BLOCK_V], g, β and (WITH_Q) q [DK], fp32; `ok` False: zeros,
+        nothing read (the step past the last token)."""
+        kt = tl.load(k_row + t * stride_kt, mask=ok, other=0.0).to(tl.float32)
+        vt = tl.load(v_row + t * stride_vt, mask=col_ok & ok, other=0.0).to(tl.float32)
+        gt = tl.load(g_at + t * stride_gt, mask=ok, other=0.0).to(tl.float32)
+        bt = tl.load(b_at + t * stride_bt, mask=ok, other=0.0).to(tl.float32)
+        qt = kt
+        if WITH_Q:
+            qt = tl.load(q_row + t * stride_qt, mask=ok, other=0.0).to(tl.float32)
+        return kt, vt, gt, bt, qt
+
+    @triton.jit
+    def _step(s, kt, vt, gt, bt):
+        """One token of the rule, in gdn_torch's order: S = e^g·S; δ = (v − Sᵀk)·β;
+        S = S + k ⊗ δ."""
+        s = s * tl.exp(gt)
+        kv = tl.sum(s * kt[:, None], axis=0)  # [BLOCK_V] Sᵀk
+        delta = (vt - kv) * bt
+        return s + kt[:, None] * delta[None, :]
 
     @triton.jit
     def _recurrent_slots_kernel(
@@ -192,7 +240,7 @@ if triton is not None:
             stride_cn, stride_ch, stride_ck, stride_cv,
             stride_os, stride_ot, stride_oh, stride_od,
             DK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_KEPT: tl.constexpr,
-            WRITE_STATE: tl.constexpr, NEED_OUTPUT: tl.constexpr):
+            WRITE_STATE: tl.constexpr, NEED_OUTPUT: tl.constexpr, PREFETCH: tl.constexpr):
         pid = tl.program_id(0)
         seq = (pid // v_heads).to(tl.int64)
         head = pid % v_heads
@@ -214,21 +262,33 @@ if triton is not None:
         g_at = g_ptr + seq * stride_gs + head * stride_gh
         b_at = beta_ptr + seq * stride_bs + head * stride_bh
         o_row = o_ptr + seq * stride_os + head * stride_oh + cols * stride_od
-        for t in range(0, n):
-            kt = tl.load(k_row + t * stride_kt).to(tl.float32)  # [DK]
-            vt = tl.load(v_row + t * stride_vt, mask=col_ok, other=0.0).to(tl.float32)
-            gt = tl.load(g_at + t * stride_gt).to(tl.float32)
-            bt = tl.load(b_at + t * stride_bt).to(tl.float32)
-            s = s * tl.exp(gt)
-            kv = tl.sum(s * kt[:, None], axis=0)  # [BLOCK_V] Sᵀk
-            delta = (vt - kv) * bt
-            s = s + kt[:, None] * delta[None, :]
-            if NEED_OUTPUT:
-                _emit(s, q_row + t * stride_qt, o_row + t * stride_ot, col_ok)
+        if PREFETCH:  # token t's inputs were loaded during step t − 1
+            kt, vt, gt, bt, qt = _token_inputs(q_row, k_row, v_row, g_at, b_at, 0, n > 0,
+                                               col_ok, stride_qt, stride_kt, stride_vt,
+                                               stride_gt, stride_bt, NEED_OUTPUT)
+            for t in range(0, n):
+                kn, vn, gn, bn, qn = _token_inputs(q_row, k_row, v_row, g_at, b_at, t + 1,
+                                                   t + 1 < n, col_ok, stride_qt, stride_kt,
+                                                   stride_vt, stride_gt, stride_bt,
+                                                   NEED_OUTPUT)
+                s = _step(s, kt, vt, gt, bt)
+                if NEED_OUTPUT:
+                    _emit(s, qt, o_row + t * stride_ot, col_ok)
+                kt, vt, gt, bt, qt = kn, vn, gn, bn, qn
+        else:  # (q loaded after the step: fewer registers live across it)
+            for t in range(0, n):
+                kt, vt, gt, bt, _ = _token_inputs(q_row, k_row, v_row, g_at, b_at, t, True,
+                                                  col_ok, stride_qt, stride_kt, stride_vt,
+                                                  stride_gt, stride_bt, False)
+                s = _step(s, kt, vt, gt, bt)
+                if NEED_OUTPUT:
+                    qt = tl.load(q_row + t * stride_qt).to(tl.float32)
+                    _emit(s, qt, o_row + t * stride_ot, col_ok)
         if NEED_OUTPUT:
             if HAS_KEPT:  # past the kept tokens the state stands still: o = Sᵀq only
                 for t in range(n, length):
-                    _emit(s, q_row + t * stride_qt, o_row + t * stride_ot, col_ok)
+                    qt = tl.load(q_row + t * stride_qt).to(tl.float32)
+                    _emit(s, qt, o_row + t * stride_ot, col_ok)
         if WRITE_STATE:
             tl.store(tile, s, mask=col_ok[None, :])
 

@@ -5,7 +5,9 @@ bf16; three sequences on slots [5, 1, 3] of a cache of 8. The cache invariants a
 verify leaves the whole cache bit-unchanged, write_state changes only the given slots, a kept
 count of 0 leaves its slot bit-unchanged and the others equal the reference run over their
 first n tokens only; need_output=False returns None and still writes. A sequence's output and
-final state are the same bits alone and inside the batch. The torch reference
+final state are the same bits alone and inside the batch, and a block's tokens the same bits
+as the same tokens decoded one by one; each launch shape (SlotsLaunch) passes the cases, and a
+prefetching shape gives its plain shape's bits. The torch reference
 (recurrent_slots_reference) is checked the same way in plain torch. On CUDA also at the real
 sizes, without a host sync, and replayed in a CUDA graph with new slots and kept counts.
 
@@ -13,6 +15,7 @@ Without CUDA the kernel cases run in Triton's interpreter in one child process, 
 as a script (tests/target/triton_child.py says why)."""
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -21,6 +24,8 @@ import triton_child
 
 from target.kernels import gdn_slots
 from target.kernels.gdn_slots import (
+    LAUNCH,
+    SlotsLaunch,
     commit_conv,
     commit_conv_reference,
     recurrent_slots,
@@ -46,6 +51,11 @@ CASES = {
     "kept": (6, 2, 4, 16, 16, [0, 3, 6], True, True),  # outputs past n: the state as it is
     "commit": (6, 2, 4, 16, 16, [0, 3, 6], True, False),  # the commit's replay
 }
+# The launch shapes the cases run at (bench/gdn_kernel.py sweeps these and more): the default,
+# the same with prefetch, and narrower tiles with fewer warps.
+LAUNCHES = {"default": LAUNCH, "prefetch": SlotsLaunch(LAUNCH.block_v, LAUNCH.warps, True),
+            "narrow": SlotsLaunch(16, 2), "narrow_prefetch": SlotsLaunch(16, 2, True),
+            "warp": SlotsLaunch(8, 1), "warp_prefetch": SlotsLaunch(8, 1, True)}
 
 
 def problem(n_seqs, length, hk, hv, dk, dv, dtype, device="cpu", seed=0,
@@ -87,8 +97,12 @@ def rel_err(got, want):
 
 
 def case_error(name: str, dtype: str, device: str, fn=recurrent_slots) -> float:
-    """fn's relative error against `expected` on CASES[name]: of the outputs, or of the
-    states where there are none. The cache invariants and the states' error are asserted."""
+    """fn's relative error against `expected` on CASES[case] (name "case@launch": the kernel
+    at LAUNCHES[launch]): of the outputs, or of the states where there are none. The cache
+    invariants and the states' error are asserted."""
+    name, _, launch = name.partition("@")
+    if launch:
+        fn = partial(fn, launch=LAUNCHES[launch])
     length, hk, hv, dk, dv, kept, write, need = CASES[name]
     q, k, v, g, beta, cache = problem(len(SLOTS), length, hk, hv, dk, dv, DTYPES[dtype], device)
     want_o, want_states = expected(q, k, v, g, beta, cache, SLOTS, kept)
@@ -135,6 +149,42 @@ def consistency(device: str) -> dict[str, bool]:
             "states_equal": torch.equal(batch_cache, alone_cache)}
 
 
+def block_vs_decode(device: str) -> dict[str, int]:
+    """Per launch shape: the elements (outputs and final states) where a block — a verify's
+    outputs, then the commit of all its tokens — differs from the same tokens decoded one by
+    one, each decode writing its state; and for each prefetching shape, those where it
+    differs from its plain shape. bf16 and the real model's Dk on CUDA (where the launch
+    shape decides the reductions' order); smaller in the interpreter, which is slow."""
+    launches = LAUNCHES
+    if device == "cuda":
+        dtype, length, dk, dv = torch.bfloat16, 16, 128, 48
+    else:  # (the interpreter's numpy has no bf16; its bits do not depend on the tiling)
+        dtype, length, dk, dv = torch.float16, 5, 32, 32
+        launches = {name: LAUNCHES[name] for name in ("default", "prefetch")}
+    q, k, v, g, beta, cache = problem(3, length, 2, 4, dk, dv, dtype, device, seed=2)
+    slots = torch.tensor(SLOTS, device=device)
+    kept = torch.full((3,), length, device=device)
+    out, runs = {}, {}
+    for name, launch in launches.items():
+        block_cache, step_cache = cache.clone(), cache.clone()
+        block = recurrent_slots(q, k, v, g, beta, block_cache, slots, launch=launch)
+        recurrent_slots(q, k, v, g, beta, block_cache, slots, num_kept=kept, write_state=True,
+                        need_output=False, launch=launch)
+        steps = torch.cat([recurrent_slots(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1],
+                                           g[:, t : t + 1], beta[:, t : t + 1], step_cache,
+                                           slots, write_state=True, launch=launch)
+                           for t in range(q.shape[1])], dim=1)
+        out[name] = int((block != steps).sum() + (block_cache != step_cache).sum())
+        runs[name] = (block, block_cache)
+    for name, launch in launches.items():
+        if launch.prefetch:
+            plain = next(n for n, la in launches.items()
+                         if la == SlotsLaunch(launch.block_v, launch.warps))
+            out[f"{name} vs {plain}"] = sum(int((a != b).sum()) for a, b in
+                                            zip(runs[name], runs[plain], strict=True))
+    return out
+
+
 def model_rounds(device: str) -> str | None:
     """The tiny target through prefill and two rounds per L (decode L = 1; L = 5 keeping
     [1, 3, 5], [5, 1, 2]) with gdn_recurrence "slots" against the default recurrence: None if
@@ -159,13 +209,32 @@ def model_rounds(device: str) -> str | None:
 interpreted, errors = triton_child.fixtures(__file__, case_error)
 
 
+def launch_cases() -> list[tuple[str, str]]:
+    """(case@launch, dtype): every case at the default shape; with prefetch the cases whose
+    loops it changes (a block, kept counts, the commit); at the other tile widths a partial
+    value tile. fp32 past the default: the interpreter is slow, and the launch shape changes
+    only the tiling and, on a GPU, the order of the reductions (block_vs_decode's bits)."""
+    out = [(f"{name}@default", dtype) for name in CASES for dtype in DTYPES]
+    out += [(f"{name}@prefetch", "fp32") for name in ("verify", "kept", "commit")]
+    return out + [(f"partial_tiles@{launch}", "fp32") for launch in LAUNCHES
+                  if launch not in ("default", "prefetch")]
+
+
 @needs_triton
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name, dtype", launch_cases())
 def test_kernel_equals_the_per_sequence_reference(errors, name, dtype):
     err = errors(f"{name}/{dtype}")
     assert not isinstance(err, str), err
     assert err < TOL[dtype]
+
+
+@needs_triton
+def test_a_block_gets_the_bits_of_its_tokens_decoded_one_by_one(interpreted):
+    """What makes speculative decoding equal plain decoding through this kernel: a verify's
+    outputs and its commit's states are a decode's, bit for bit, at every launch shape; and
+    prefetching changes no bit."""
+    got = interpreted["block_vs_decode"] if interpreted is not None else block_vs_decode("cuda")
+    assert "prefetch vs default" in got and not any(got.values()), got
 
 
 @needs_triton
@@ -308,6 +377,10 @@ def test_the_conv_commit_equals_its_reference(interpreted):
 
 
 if __name__ == "__main__":  # the interpreter child of errors()
-    print(json.dumps({"errors": triton_child.case_errors(CASES, DTYPES, case_error, "cpu"),
+    errors_ = {}
+    for name, dtype in launch_cases():
+        errors_.update(triton_child.case_errors([name], [dtype], case_error, "cpu"))
+    print(json.dumps({"errors": errors_,
                       "consistency": consistency("cpu"), "model_rounds": model_rounds("cpu"),
+                      "block_vs_decode": block_vs_decode("cpu"),
                       "conv_commits": conv_commits("cpu")}))

@@ -4,6 +4,7 @@ its transformers twin is the same model: identical logits over shared tensors.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -181,6 +182,28 @@ def test_round_attention_bench_runs_every_form_on_the_same_inputs(tmp_path):
     for r in rows:
         assert "gathered_error" not in r and r["gathered_max_diff"] == 0, r
         assert r["gathered_row_invariant"], r
+
+def test_gdn_kernel_bench_runs_every_step_shape_and_prologue(tmp_path):
+    """bench/gdn_kernel.py at tiny sizes in Triton's interpreter (a child process: the
+    interpreter must be set before triton is imported): decode, verify and commit rows for
+    each launch shape it runs there, the same results as the default shape's, and both
+    prologues."""
+    out = tmp_path / "gdn.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.gdn_kernel", "--device", "cpu",
+                           "--small", "--seqs", "2", "--widths", "1", "3", "--out", str(out)],
+                          cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    recurrence = [(r["step"], r["width"], r["config"]) for r in rows if r["what"] == "recurrence"]
+    assert recurrence == [("decode", 1, "32x4"), ("decode", 1, "32x4p"), ("verify", 3, "32x4"),
+                          ("verify", 3, "32x4p"), ("commit", 3, "32x4"), ("commit", 3, "32x4p")]
+    assert all(r.get("rel_err_vs_default", 0.0) == 0.0 for r in rows), rows
+    prologues = [(r["step"], r["config"]) for r in rows if r["what"] == "prologue"]
+    assert prologues == [("decode", "torch"), ("decode", "triton"), ("verify", "torch"),
+                         ("verify", "triton")]
+    assert all(r["us"] > 0 and r["floor_us"] > 0 for r in rows), rows
+
 
 def test_runner_overhead_bench_times_every_runner_call():
     """bench/runner_overhead.py: the runners' host work per step, through the graph code path
