@@ -47,10 +47,11 @@ MOE_ROUTING = ("auto", "torch", "triton")
 # kernel on the states gathered out of the cache, scattered back; the torch reference off
 # CUDA); "auto" is slots where Triton runs (CUDA), fla elsewhere.
 GDN_RECURRENCE = ("auto", "fla", "slots")
-# The Gated DeltaNet's conv, head split, q/k norms and gates in uniform rounds: "torch"
-# (fused.gdn_gates and fused.conv_split_heads, compiled) or, with the slots recurrence,
-# "triton" (target/kernels/gdn_prologue.py: one launch per layer, a decode's conv state written
-# in it; not yet measured on a GPU).
+# The Gated DeltaNet's elementwise work around the recurrence of uniform rounds: "torch"
+# (fused.gdn_gates and fused.conv_split_heads before it, fused.gated_rms_norm after it,
+# compiled) or, with the slots recurrence, "triton" (target/kernels/gdn_prologue.py: the conv,
+# head split, q/k norms and gates in one launch per layer, a decode's conv state written in it;
+# the gated output norm one program per token and head; not yet measured on a GPU).
 GDN_PROLOGUE = ("torch", "triton")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).

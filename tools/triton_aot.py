@@ -201,6 +201,14 @@ def _gdn_variants() -> list[Variant]:
                            {"K": 4, "DK": 128, "DV_GROUP": 256, "RATIO": 2, "BLOCK_K": 128,
                             "BLOCK_V": 256, "BLOCK_R": 2, "WRITE_STATE": length == 1},
                            {"num_warps": 4}, {"width": length, "key_dim": 2048, **strides}))
+    # the gated output norm: o [T, 32, 128] contiguous; z a view of the same projection
+    norm = {"o_ptr": "*bf16", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+            "heads": I32, "dim": I32, "eps": "fp32", "stride_ot": I32, "stride_oh": I32,
+            "stride_zt": I32, "stride_zh": I32}
+    out.append(Variant("gdn gated norm", "target.kernels.gdn_prologue", "_gated_norm_kernel",
+                       norm, {"BLOCK_D": 128}, {"num_warps": 1},
+                       {"heads": 32, "dim": 128, "stride_ot": 4096, "stride_oh": 128,
+                        "stride_zt": 12352, "stride_zh": 128}))
     return out
 
 

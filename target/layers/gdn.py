@@ -60,9 +60,10 @@ class GatedDeltaNet(nn.Module):
         # states (the torch reference off CUDA), or "slots" (target/kernels/gdn_slots.py: the
         # states read and written in place by slot).
         self.recurrence = "fla"
-        # The batched rounds' conv, head split, norms and gates (KernelConfig.gdn_prologue):
-        # "torch" (compiled chains) or, with the slots recurrence, "triton"
-        # (target/kernels/gdn_prologue.py: one launch, a decode's conv state written in it)
+        # The batched rounds' conv, head split, norms and gates, and their gated output norm
+        # (KernelConfig.gdn_prologue): "torch" (compiled chains) or, with the slots
+        # recurrence, "triton" (target/kernels/gdn_prologue.py: one launch before the
+        # recurrence, a decode's conv state written in it; one after it, a program per row)
         self.prologue = "torch"
         self.layer_idx = layer_idx
         self.tp = tp
@@ -115,7 +116,10 @@ class GatedDeltaNet(nn.Module):
         if self.batched_rounds and all(batch.is_verify) and len(set(batch.query_lens)) == 1:
             o = self._verify_round(mixed_qkv, b, a, batch, conv_cache, ssm_cache, weight,
                                    journal)
-            o = self.norm(o.to(x.dtype), z).reshape(x.shape[0], -1)
+            if self.prologue == "triton":  # o comes in x's dtype from the slots recurrence
+                o = gdn_prologue.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
+            else:
+                o = self.norm(o.to(x.dtype), z).reshape(x.shape[0], -1)
             return self.out_proj(o)
         # [T, H]: g fp32, β in the recurrence's dtype
         g, beta = fused.gdn_gates(b, a, self.A_log, self.dt_bias, gdn.recurrence_dtype(x))

@@ -5,7 +5,9 @@ gdn_slots.commit_conv_reference): decode (the conv state written in place) and v
 cache in fp32 beside half inputs, head dims that are not powers of two, three value heads per
 key head, inputs as strided views of the projection. fp32 to rounding; half precision bit for
 bit but where a sum's order moved a rounding (at most one spacing). Also: a token's outputs
-are the same bits decoded alone as inside a block. On CUDA also bf16 in a CUDA graph.
+are the same bits decoded alone as inside a block. The gated output norm (gated_rms_norm)
+against fused.gated_rms_norm's eager form: a decode's and a block's rows, a head dim that is
+not a power of two, z as a view of the projection. On CUDA also bf16 in a CUDA graph.
 
 Without CUDA the cases run in Triton's interpreter in one child process, this file run as a
 script (tests/target/triton_child.py says why)."""
@@ -144,6 +146,26 @@ def model_rounds() -> str | None:
     return None
 
 
+# name: (T, H, D)
+NORM_CASES = {"decode": (1, 4, 16), "block": (6, 3, 32), "odd_dim": (5, 2, 24)}
+
+
+def norm_result(name: str, dtype: str, device: str) -> dict:
+    """gated_rms_norm against fused.gated_rms_norm.eager on NORM_CASES[name]: o contiguous
+    as the recurrence leaves it, z a view of a wider projection row, weight near 1."""
+    tokens, heads, dim = NORM_CASES[name]
+    dt = dtype_on(dtype, device)
+    g = torch.Generator(device).manual_seed(5)
+    kw = dict(generator=g, device=device)
+    o = (torch.randn(tokens, heads, dim, **kw) * 3).to(dt)
+    proj = torch.randn(tokens, heads * dim + 7, **kw).to(dt)
+    z = proj[:, 7:].view(tokens, heads, dim)
+    weight = (1 + 0.1 * torch.randn(dim, **kw)).to(dt)
+    got = gdn_prologue.gated_rms_norm(o, z, weight, 1e-6)
+    want = fused.gated_rms_norm.eager(o, z, weight, 1e-6).reshape(tokens, -1)
+    return compare((got,), (want,))
+
+
 def all_case_results() -> dict[str, dict | str]:
     return triton_child.case_errors(CASES, DTYPES, case_result, "cpu")
 
@@ -159,6 +181,16 @@ def test_prologue_equals_the_torch_path(results, name, dtype):
     assert got["fp32_rel_err"] < 1e-6, got  # the sums' order, rsqrt's, exp's and log's roundings
     assert got["half_max_ulps"] <= 1, got
     assert got["half_equal"] > 0.99, got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", NORM_CASES)
+def test_gated_norm_equals_the_torch_path(interpreted, name, dtype):
+    got = (interpreted["norm"] if interpreted is not None else triton_child.case_errors(
+        NORM_CASES, DTYPES, norm_result, "cuda"))[f"{name}/{dtype}"]
+    assert not isinstance(got, str), got
+    assert got["fp32_rel_err"] < 1e-6, got  # the sum's order, rsqrt's and exp's roundings
+    assert got["half_max_ulps"] <= 1 and got["half_equal"] > 0.97, got
 
 
 def test_a_token_gets_the_same_bits_decoded_and_in_a_block(interpreted):
@@ -194,4 +226,5 @@ def test_bf16_decode_inside_a_cuda_graph():
 
 if __name__ == "__main__":  # the interpreter child of results()
     print(json.dumps({"errors": all_case_results(), "decode_vs_block": decode_vs_block("cpu"),
+                      "norm": triton_child.case_errors(NORM_CASES, DTYPES, norm_result, "cpu"),
                       "model_rounds": model_rounds()}))

@@ -186,8 +186,8 @@ def test_round_attention_bench_runs_every_form_on_the_same_inputs(tmp_path):
 def test_gdn_kernel_bench_runs_every_step_shape_and_prologue(tmp_path):
     """bench/gdn_kernel.py at tiny sizes in Triton's interpreter (a child process: the
     interpreter must be set before triton is imported): decode, verify and commit rows for
-    each launch shape it runs there, the same results as the default shape's, and both
-    prologues."""
+    each launch shape it runs there, the same results as the default shape's, and the torch
+    and Triton prologues and output norms."""
     out = tmp_path / "gdn.json"
     proc = subprocess.run([sys.executable, "-m", "bench.gdn_kernel", "--device", "cpu",
                            "--small", "--seqs", "2", "--widths", "1", "3", "--out", str(out)],
@@ -199,9 +199,9 @@ def test_gdn_kernel_bench_runs_every_step_shape_and_prologue(tmp_path):
     assert recurrence == [("decode", 1, "32x4"), ("decode", 1, "32x4p"), ("verify", 3, "32x4"),
                           ("verify", 3, "32x4p"), ("commit", 3, "32x4"), ("commit", 3, "32x4p")]
     assert all(r.get("rel_err_vs_default", 0.0) == 0.0 for r in rows), rows
-    prologues = [(r["step"], r["config"]) for r in rows if r["what"] == "prologue"]
-    assert prologues == [("decode", "torch"), ("decode", "triton"), ("verify", "torch"),
-                         ("verify", "triton")]
+    prologues = [(r["what"], r["step"], r["config"]) for r in rows if r["what"] != "recurrence"]
+    assert prologues == [(what, step, kind) for step in ("decode", "verify")
+                         for what in ("prologue", "norm") for kind in ("torch", "triton")]
     assert all(r["us"] > 0 and r["floor_us"] > 0 for r in rows), rows
 
 
