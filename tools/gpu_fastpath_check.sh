@@ -18,8 +18,8 @@
 #            without prefetch) and the torch / Triton prologue, decode and B = 16 verify and
 #            commit, 1 and 8 sequences
 #   attnsweep bench/round_attention.py: the Triton attention with fixed and adaptive splits
-#            (KernelConfig attention_splits; at most 128 splits, and 512) at 512, 8k and 128k
-#            keys, 1 and 8 sequences, 1 and 16 queries each
+#            (KernelConfig attention_splits; at most 128 splits, and 512), and adaptive at two
+#            more tile shapes, at 512, 8k and 128k keys, 1 and 8 sequences, 1 and 16 queries
 #   variants bench/engine.py at batch 1 and 8, B = 16, in one process: the default kernels, then
 #            each kernel variant (VARIANTS, KernelConfig fields; by default the variants not
 #            yet measured), then the defaults again (the same-run spread)
@@ -83,10 +83,12 @@ gdn)
   timeout ${GDN_TIMEOUT:-240} python3 -m bench.gdn_kernel --device cuda \
     --out "$OUT/gdn_kernel.json" 2>&1 | tee "$OUT/gdn_kernel.log" | tail -40 ;;
 attnsweep)  # the last --launch field is max_splits: 128 is attention_triton.ADAPTIVE_LAUNCH;
-  # 512 splits 128k keys in 256s (512 programs a kv head for a long decode, not 128)
-  timeout ${ATTN_TIMEOUT:-240} python3 -m bench.round_attention --keys 512 8192 131072 \
+  # 512 splits 128k keys in 256s (512 programs a kv head for a long decode, not 128); 8 warps
+  # and 32-key steps: the default's 255 registers and spills gone (tools/triton_aot.py)
+  timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention --keys 512 8192 131072 \
     --seqs 1 8 --widths 1 16 --forms triton \
-    --launch 1024,32,64,4,2,32,128 1024,32,64,4,2,32,512 \
+    --launch 1024,32,64,4,2,32,128 1024,32,64,4,2,32,512 1024,32,64,8,2,32,128 \
+    1024,32,32,4,3,32,128 \
     --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -16 ;;
 variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \

@@ -218,7 +218,9 @@ def _gdn_variants() -> list[Variant]:
     return out
 
 
-def _attention_variants() -> list[Variant]:
+def _attention_variants(launches: list = ()) -> list[Variant]:
+    """The attention's kernels at its two launch shapes (fixed and adaptive splits) and at
+    `launches` (attention_triton.Launch: shapes a sweep would try)."""
     from target.kernels import attention_triton
 
     launch = attention_triton.LAUNCH
@@ -236,8 +238,10 @@ def _attention_variants() -> list[Variant]:
     # a 16-token verify at batch 1: q [16, 16 heads, 256]; the pages [N, 16, 2 kv heads, 256]
     sizes = {"width": 16, "n_heads": 16, "n_tokens": 16, "window": 0}
     out = []
+    extra = [(f" {la.split},{la.block_m},{la.block_n},{la.warps},{la.stages},"
+              f"{la.merge_chunk},{la.max_splits}", la) for la in launches]
     for name, launch in (("", attention_triton.LAUNCH),
-                         (", adaptive", attention_triton.ADAPTIVE_LAUNCH)):
+                         (", adaptive", attention_triton.ADAPTIVE_LAUNCH), *extra):
         out += [
             Variant(f"attention split{name}", "target.kernels.attention_triton",
                     "_split_kernel", split,
@@ -274,8 +278,9 @@ def _attention_variants() -> list[Variant]:
     return out
 
 
-def variants() -> list[Variant]:
-    return _moe_variants() + _route_variants() + _gdn_variants() + _attention_variants()
+def variants(attention_launches: list = ()) -> list[Variant]:
+    return (_moe_variants() + _route_variants() + _gdn_variants()
+            + _attention_variants(attention_launches))
 
 
 def compile_variant(v: Variant, arch: int) -> dict:
@@ -335,8 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-limit", type=int, default=SHARED_LIMIT)
     p.add_argument("--only", help="variants whose name contains this")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--attention-launch", nargs="*", default=[],
+                   metavar="SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS]]",
+                   help="the attention's kernels at these launch shapes too (as "
+                        "bench/round_attention.py --launch takes them)")
     args = p.parse_args(argv)
-    rows = [compile_variant(v, args.arch) for v in variants()
+    from target.kernels.attention_triton import Launch
+
+    launches = [Launch(*(int(x) for x in shape.split(","))) for shape in args.attention_launch]
+    rows = [compile_variant(v, args.arch) for v in variants(launches)
             if args.only is None or args.only in v.name]
     print(f"| kernel (sm_{args.arch}) | shared bytes | registers | spill bytes | s |")
     print("|---|---|---|---|---|")
