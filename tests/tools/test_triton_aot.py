@@ -27,7 +27,7 @@ def test_a_kernel_that_cannot_compile_is_reported(monkeypatch, tmp_path):
 
     bad = triton_aot.Variant("broken", "target.kernels.moe_route", "_route_kernel",
                              {"logits_ptr": "*bf16"}, {"TOP_K": 8}, {"num_warps": 4})
-    monkeypatch.setattr(triton_aot, "variants", lambda: [bad])
+    monkeypatch.setattr(triton_aot, "variants", lambda attention_launches=(): [bad])
     out = tmp_path / "aot.json"
     assert triton_aot.main(["--out", str(out)]) == 1
     assert "error" in json.loads(out.read_text())[0]
