@@ -60,7 +60,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
-
 @dataclass(frozen=True)
 class SlotsLaunch:
     """The recurrence's launch shape: `block_v` value columns per program (a [Dk, block_v]
