@@ -23,10 +23,11 @@ dtype; SiLU in fp32, rounded; the norms in fp32, rounded once to the recurrence'
 
 gated_rms_norm, between the recurrence and the output projection: per token and value head,
 rms-normalise o in fp32, times the norm's weight, times silu(z), with fused.gated_rms_norm's
-roundings, one program per (token, head) row. Compiled, that chain is one kernel too, but its
-launch shape is autotuned once, on the first call, for every size after it: in the H200's
-decode profile (docs/BENCHMARKS.md) it took 4.9 µs a layer for a decode's 32 rows against
-2.2 µs for a 16-token verify's 512. Here a decode's rows are 32 programs, a verify's 512, and
+roundings, one program per (token, head) row. Compiled, that chain is one kernel too, whose
+launch shape Inductor autotunes at its first call (in the engine a prefill's size) and keeps
+for every size after it; in the H200's decode profile (docs/BENCHMARKS.md) it took 4.9 µs a
+layer for a decode's 32 rows against 2.2 µs for a 16-token verify's 512 (that shape is the
+likely cause, not a measured one). Here a decode's rows are 32 programs, a verify's 512, and
 both rows compute alike (the same bits in a decode and inside a verify).
 
 Triton is optional: without it this module imports and defines no kernel (KernelConfig
