@@ -32,43 +32,54 @@ def _tokens(gen: torch.Generator, n: int) -> list[int]:
     return torch.randint(0, 300, (n,), generator=gen).tolist()
 
 
+class Forwards:
+    """n sequences on their own caches: forward(name, tokens, starts, verify) runs one batch
+    (sequence i's `tokens` from position starts[i]) and keeps its logits [T, V] and aux
+    features [T, n_aux·H] in `out` under that name. Page ids interleave (sequence i owns
+    pages i, i+n, i+2n, …) and state slots are not the sequence indices, so paging and slot
+    mix-ups cannot hide."""
+
+    def __init__(self, model: Qwen3_5MoeForCausalLM, slots: list[int]):
+        n = len(slots)
+        self.model, self.slots = model, slots
+        self.caches = allocate_target_caches(model, NUM_PAGES, PAGE, n, "cpu")
+        self.runner = ModelRunner(model, self.caches, AUX_LAYERS, "cpu")
+        self.tables = [[i + n * j for j in range(NUM_PAGES // n)] for i in range(n)]
+        self.out: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, tokens: list[list[int]], starts: list[int], verify: bool):
+        params = SamplingParams()
+        batch = self.runner._batch([SeqInput(i, t, starts[i], self.tables[i], self.slots[i],
+                                             params) for i, t in enumerate(tokens)],
+                                   is_verify=verify)
+        hidden, aux = self.model(batch, self.caches)
+        self.out[f"{name}.logits"] = self.model.compute_logits(hidden)
+        self.out[f"{name}.aux"] = aux.clone()
+        return batch
+
+    def commit(self, batch, kept: tuple[int, ...]) -> None:
+        self.model.commit_verify(batch, self.caches, list(kept))
+
+
 @torch.inference_mode()
 def run_scenario(model: Qwen3_5MoeForCausalLM) -> dict[str, torch.Tensor]:
     """Batched prefill of 3 prompts → verify B tokens each → commit KEPT → verify again.
     Returns each forward's logits [T, V] and aux features [T, n_aux·H]."""
-    caches = allocate_target_caches(model, NUM_PAGES, PAGE, len(PROMPT_LENS), "cpu")
-    runner = ModelRunner(model, caches, AUX_LAYERS, "cpu")
+    forward = Forwards(model, [2, 0, 1])
     gen = torch.Generator().manual_seed(7)
-    pages_per_seq = NUM_PAGES // len(PROMPT_LENS)
-    # Interleaved page ids (seq i owns pages i, i+3, i+6, …) so paging mix-ups cannot hide.
-    tables = [[i + len(PROMPT_LENS) * j for j in range(pages_per_seq)]
-              for i in range(len(PROMPT_LENS))]
-    slots = [2, 0, 1]  # state slot != sequence index
-    params = SamplingParams()
-
-    def forward(name: str, seqs: list[SeqInput], verify: bool):
-        batch = runner._batch(seqs, is_verify=verify)
-        hidden, aux = model(batch, caches)
-        out[f"{name}.logits"] = model.compute_logits(hidden)
-        out[f"{name}.aux"] = aux.clone()
-        return batch
-
-    out: dict[str, torch.Tensor] = {}
     prompts = [_tokens(gen, n) for n in PROMPT_LENS]
-    forward("prefill", [SeqInput(i, p, 0, tables[i], slots[i], params)
-                        for i, p in enumerate(prompts)], verify=False)
-    blocks = [_tokens(gen, BLOCK) for _ in prompts]
-    batch = forward("verify1", [SeqInput(i, b, len(prompts[i]), tables[i], slots[i], params)
-                                for i, b in enumerate(blocks)], verify=True)
-    model.commit_verify(batch, caches, list(KEPT))
-    blocks = [_tokens(gen, BLOCK) for _ in prompts]
-    forward("verify2", [SeqInput(i, b, len(prompts[i]) + KEPT[i], tables[i], slots[i], params)
-                        for i, b in enumerate(blocks)], verify=True)
-    return out
+    lens = [len(p) for p in prompts]
+    forward("prefill", prompts, [0] * len(prompts), verify=False)
+    batch = forward("verify1", [_tokens(gen, BLOCK) for _ in prompts], lens, verify=True)
+    forward.commit(batch, KEPT)
+    forward("verify2", [_tokens(gen, BLOCK) for _ in prompts],
+            [m + kept for m, kept in zip(lens, KEPT, strict=True)], verify=True)
+    return forward.out
 
 
 # The Triton kernels of uniform rounds, each on its local heads: the attention and its
-# prologue, the GDN prologue on the slots recurrence (CPU: in Triton's interpreter).
+# prologue, the GDN prologue and output norm on the slots recurrence (CPU: in Triton's
+# interpreter).
 TRITON_ROUNDS = dict(attention="triton", attention_prologue="triton", gdn_recurrence="slots",
                      gdn_prologue="triton")
 ROUND_PROMPT_LENS = (5, 11)
@@ -83,30 +94,16 @@ def run_rounds(model: Qwen3_5MoeForCausalLM) -> dict[str, torch.Tensor]:
     recurrent states written in the round) → a 2-token round reading them: the paths the
     Triton round kernels take, kept small (the interpreter runs a GDN prologue program in
     ~0.1 s). Returns each forward's logits and aux features."""
-    n = len(ROUND_PROMPT_LENS)
-    caches = allocate_target_caches(model, NUM_PAGES, PAGE, n, "cpu")
-    runner = ModelRunner(model, caches, AUX_LAYERS, "cpu")
+    forward = Forwards(model, [1, 0])
     gen = torch.Generator().manual_seed(11)
-    tables = [[i + n * j for j in range(NUM_PAGES // n)] for i in range(n)]
-    slots, params = [1, 0], SamplingParams()
-    out: dict[str, torch.Tensor] = {}
-
-    def forward(name: str, tokens: list[list[int]], starts: list[int], verify: bool):
-        batch = runner._batch([SeqInput(i, t, starts[i], tables[i], slots[i], params)
-                               for i, t in enumerate(tokens)], is_verify=verify)
-        hidden, aux = model(batch, caches)
-        out[f"{name}.logits"] = model.compute_logits(hidden)
-        out[f"{name}.aux"] = aux.clone()
-        return batch
-
     lens = list(ROUND_PROMPT_LENS)
-    forward("prefill", [_tokens(gen, m) for m in lens], [0] * n, verify=False)
+    forward("prefill", [_tokens(gen, m) for m in lens], [0] * len(lens), verify=False)
     batch = forward("verify", [_tokens(gen, ROUND_WIDTH) for _ in lens], lens, verify=True)
-    model.commit_verify(batch, caches, list(ROUND_KEPT))
+    forward.commit(batch, ROUND_KEPT)
     lens = [m + kept for m, kept in zip(lens, ROUND_KEPT, strict=True)]
     forward("decode", [_tokens(gen, 1) for _ in lens], lens, verify=True)
     forward("verify2", [_tokens(gen, 2) for _ in lens], [m + 1 for m in lens], verify=True)
-    return out
+    return forward.out
 
 
 SCENARIOS = {"forwards": run_scenario, "rounds": run_rounds}
