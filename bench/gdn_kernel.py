@@ -84,14 +84,14 @@ def make_layer(sizes: dict, n_seqs: int, width: int, device: torch.device, seed:
 
 def warm_compiled(sizes: dict, device: torch.device) -> None:
     """The compiled chains' first calls at a prefill's size (their launch shapes are picked
-    then, for every later size), as the engine's start-up profile makes them."""
+    then, for every later size), as the engine's start-up profile makes them: make_layer
+    runs the prologue's, then the norm."""
     from target.kernels import fused
 
     if device.type != "cuda":
         return
     layer = make_layer(sizes, 1, PREFILL_TOKENS, device, seed=99)
     fused.gated_rms_norm(layer["o"], layer["z"], layer["norm_weight"], 1e-6)
-    fused.gdn_gates(layer["b"], layer["a"], layer["a_log"], layer["dt_bias"], layer["x"].dtype)
     torch.cuda.synchronize(device)
 
 
@@ -117,8 +117,9 @@ def recurrence_call(layer: dict, step: str, launch):
 
 
 def prologue_call(layer: dict, sizes: dict, kind: str):
-    """The prologue as the layer runs it (GatedDeltaNet._verify_round), on a copy of the conv
-    cache for the Triton decode (it writes the state in place)."""
+    """The prologue as the layer runs it (GatedDeltaNet._verify_round). A decode writes the
+    layer's conv cache in place (the Triton kernel in its launch, torch in commit_conv):
+    the timing repeats it, which changes only the values it reads next."""
     from target.kernels import fused, gdn_prologue, gdn_slots
 
     hk, hv, dk, dv = (sizes[n] for n in ("hk", "hv", "dk", "dv"))
@@ -192,7 +193,7 @@ def bench_round(sizes: dict, n_seqs: int, width: int, device: torch.device, iter
     steps = ["decode"] if width == 1 else ["verify", "commit"]
     rows = []
 
-    def row(what, step, config, us, err, pool):
+    def row(what, step, config, us, err=None):
         nbytes = floor_bytes(layers[0], step, what)
         floor_us = nbytes / copy_gb_s / 1e3
         out = {"what": what, "step": step, "seqs": n_seqs, "width": width, "config": config,
@@ -217,16 +218,16 @@ def bench_round(sizes: dict, n_seqs: int, width: int, device: torch.device, iter
             us = time_calls([recurrence_call(layer, step, SlotsLaunch(*shape))
                              for layer in layers], device, iters)
             rows.append(row("recurrence", step, "x".join(map(str, shape[:2]))
-                            + ("p" if shape[2] else ""), us, err, pool))
+                            + ("p" if shape[2] else ""), us, err))
         if step == "commit":
             continue
         for kind in ("torch", "triton"):
             us = time_calls([prologue_call(layer, sizes, kind) for layer in layers], device,
                             iters)
-            rows.append(row("prologue", step, kind, us, None, pool))
+            rows.append(row("prologue", step, kind, us))
         for kind in ("torch", "triton"):
             us = time_calls([norm_call(layer, kind) for layer in layers], device, iters)
-            rows.append(row("norm", step, kind, us, None, pool))
+            rows.append(row("norm", step, kind, us))
     return rows
 
 

@@ -15,8 +15,8 @@
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at ten launch shapes (with and
-#            without prefetch) and the torch / Triton prologue, decode and B = 16 verify and
-#            commit, 1 and 8 sequences
+#            without prefetch), and the torch / Triton prologue and output norm, at decode and
+#            a B = 16 verify and its commit, 1 and 8 sequences
 #   attnsweep bench/round_attention.py: the Triton attention with fixed and adaptive splits
 #            (KernelConfig attention_splits; at most 128 splits, and 512), and adaptive at two
 #            more tile shapes, at 512, 8k and 128k keys, 1 and 8 sequences, 1 and 16 queries

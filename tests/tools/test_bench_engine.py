@@ -183,6 +183,7 @@ def test_round_attention_bench_runs_every_form_on_the_same_inputs(tmp_path):
         assert "gathered_error" not in r and r["gathered_max_diff"] == 0, r
         assert r["gathered_row_invariant"], r
 
+
 def test_gdn_kernel_bench_runs_every_step_shape_and_prologue(tmp_path):
     """bench/gdn_kernel.py at tiny sizes in Triton's interpreter (a child process: the
     interpreter must be set before triton is imported): decode, verify and commit rows for
