@@ -103,18 +103,12 @@ def _moe_variants() -> list[Variant]:
              "sorted_ptr": "*i32"}
     align_values = {"pairs": 1024, "top_k": 8, "stride_it": 8, "stride_ik": 1,
                     "max_blocks": 64 + 256}
-    groups = {"BLOCK_M": moe_sorted.BLOCK_M, "BLOCK_E": 256, "CHUNK": moe_sorted._ALIGN_CHUNK,
-              "BLOCK_B": moe_sorted._ALIGN_BLOCKS, "BLOCK_P": moe_sorted.ALIGN_ONE_LAUNCH}
-    small = moe_sorted.ALIGN_ONE_LAUNCH  # a 16-token verify at batch 1: 128 pairs
     out += [
         Variant("sorted align: groups", "target.kernels.moe_sorted", "_groups_kernel",
                 {**align, "block_expert_ptr": "*i32", "max_blocks": I32},
-                {**groups, "PLACE": False}, {"num_warps": moe_sorted._ALIGN_WARPS},
-                align_values),
-        Variant("sorted align: groups and place", "target.kernels.moe_sorted",
-                "_groups_kernel", {**align, "block_expert_ptr": "*i32", "max_blocks": I32},
-                {**groups, "PLACE": True}, {"num_warps": moe_sorted._ALIGN_WARPS},
-                {**align_values, "pairs": small, "max_blocks": small // 16 + small}),
+                {"BLOCK_M": moe_sorted.BLOCK_M, "BLOCK_E": 256,
+                 "CHUNK": moe_sorted._ALIGN_CHUNK, "BLOCK_B": moe_sorted._ALIGN_BLOCKS},
+                {"num_warps": 4}, align_values),
         Variant("sorted align: place", "target.kernels.moe_sorted", "_place_kernel", align,
                 {"BLOCK": moe_sorted._ALIGN_CHUNK}, {"num_warps": 4}, align_values),
     ]

@@ -14,9 +14,7 @@ sync and shapes that depend only on the pair count, so a step captures in a CUDA
      1024 pairs puts each pair in its group with an atomic cursor. The order inside a group
      is the atomics' (it can change from run to run), which changes nothing: each pair's
      row of a tl.dot is computed alike in any row of any block. Two launches where the
-     sort, histogram and scatter in torch took ~25. Up to ALIGN_ONE_LAUNCH pairs (a 16-token
-     verify at batch 1, a decode at batch 8-16) the first program places the pairs too, by
-     rank (the earlier pairs of the same expert: in pair order), so one launch.
+     sort, histogram and scatter in torch took ~25.
   2. gate_up + SwiGLU, grid (max_blocks, cdiv(I, BLOCK_N)): a program gathers its block's x
      rows [BLOCK_M, BLOCK_K] and dots them with the expert's gate and up tiles [BLOCK_K,
      BLOCK_N] (transposed views of gate_up[e]) over H, fp32 accumulate; rounds g and u to x's
@@ -105,24 +103,17 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int,
     block_e = triton.next_power_of_2(num_experts)
     starts = torch.empty(block_e, dtype=torch.int32, device=device)  # each group's first slot
     cursor = torch.empty(block_e, dtype=torch.int32, device=device)  # (zeroed by the first)
-    one_launch = pairs <= ALIGN_ONE_LAUNCH
     _groups_kernel[(1,)](topk_ids, pairs, k, *topk_ids.stride(), starts, cursor, sorted_pairs,
                          block_expert, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
-                         CHUNK=_ALIGN_CHUNK, BLOCK_B=_ALIGN_BLOCKS, PLACE=one_launch,
-                         BLOCK_P=ALIGN_ONE_LAUNCH, num_warps=_ALIGN_WARPS)
-    if not one_launch:
-        _place_kernel[(triton.cdiv(pairs, _ALIGN_CHUNK),)](
-            topk_ids, pairs, k, *topk_ids.stride(), starts, cursor, sorted_pairs,
-            BLOCK=_ALIGN_CHUNK)
+                         CHUNK=_ALIGN_CHUNK, BLOCK_B=_ALIGN_BLOCKS)
+    _place_kernel[(triton.cdiv(pairs, _ALIGN_CHUNK),)](
+        topk_ids, pairs, k, *topk_ids.stride(), starts, cursor, sorted_pairs,
+        BLOCK=_ALIGN_CHUNK)
     return sorted_pairs, block_expert
 
 
 # align_pairs' tiles: pairs per program step, blocks per step of the block-expert search.
 _ALIGN_CHUNK, _ALIGN_BLOCKS = 1024, 64
-# The most pairs the groups kernel also places (ranks from a [P, P] comparison: 16 K pairs of
-# pairs at 128), and its warps. In the H200's verify profile at batch 1 (128 pairs) the two
-# launches took 6.9 and 2.2 µs a layer (docs/BENCHMARKS.md).
-ALIGN_ONE_LAUNCH, _ALIGN_WARPS = 128, 4
 
 
 # The most (token, slot) pairs FusedExperts sends here; grouped GEMMs above (large prefill
@@ -253,11 +244,9 @@ if triton is not None:
     @triton.jit
     def _groups_kernel(ids_ptr, pairs, top_k, stride_it, stride_ik, starts_ptr, cursor_ptr,
                        sorted_ptr, block_expert_ptr, max_blocks, BLOCK_M: tl.constexpr,
-                       BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
-                       PLACE: tl.constexpr, BLOCK_P: tl.constexpr):
+                       BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr):
         # One program: pairs per expert, the padded groups' layout, each block's expert, the
-        # sentinel everywhere, zeroed cursors; then either the second kernel writes the pairs
-        # over the sentinel or (PLACE, at most BLOCK_P pairs) this program does.
+        # sentinel everywhere (the second kernel writes the pairs over it), zeroed cursors.
         offs = tl.arange(0, CHUNK)
         counts = tl.zeros([BLOCK_E], dtype=tl.int32)
         for p0 in range(0, pairs, CHUNK):
@@ -285,17 +274,6 @@ if triton is not None:
             expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
             tl.store(block_expert_ptr + b, tl.where(first < total, expert, -1),
                      mask=b < max_blocks)
-        if PLACE:
-            # pair p to its group's start + its rank: the earlier pairs of its expert
-            p = tl.arange(0, BLOCK_P)
-            ok = p < pairs
-            e = tl.load(ids_ptr + (p // top_k) * stride_it + (p % top_k) * stride_ik, mask=ok,
-                        other=0).to(tl.int32)
-            same = (e[:, None] == e[None, :]) & (p[None, :] < p[:, None]) & ok[None, :]
-            rank = tl.sum(same.to(tl.int32), axis=1)
-            tl.debug_barrier()  # the starts and the sentinel are stored by now
-            start = tl.load(starts_ptr + e, mask=ok, other=0)
-            tl.store(sorted_ptr + start + rank, p.to(tl.int32), mask=ok)
 
     @triton.jit
     def _place_kernel(ids_ptr, pairs, top_k, stride_it, stride_ik, starts_ptr, cursor_ptr,
