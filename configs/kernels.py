@@ -20,16 +20,16 @@ import torch
 # triton where Triton runs (CUDA), torch elsewhere. Prefill chunks take PyTorch's flash kernels
 # with either.
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
-# The Triton attention's key splits (target/kernels/attention_triton.py Launch): "fixed" (the
-# same number of keys per split everywhere) or "adaptive" (per sequence, the fewest
-# BLOCK_N·2^j keys that make at most ADAPTIVE_SPLITS splits: more programs at a short context,
-# where a fixed split leaves one program per kv head walking every key; not yet measured on a
-# GPU).
-ATTENTION_SPLITS = ("fixed", "adaptive")
-# Full attention's prologue (target/layers/attention.py): "torch" (fused.qk_norm_rope, then
-# attention.store_kv's index copies) or "triton" (target/kernels/qk_rope_triton.py: the q and k
-# norms, RoPE and the K/V cache writes as one launch per layer; not yet measured on a GPU).
-ATTENTION_PROLOGUE = ("torch", "triton")
+# The Triton attention's key splits (target/kernels/attention_triton.py Launch): "adaptive"
+# (per sequence, the fewest BLOCK_N·2^j keys that make at most ADAPTIVE_SPLITS splits: more
+# programs at a short context, where a fixed split leaves one program per kv head walking
+# every key) or "fixed" (the same number of keys per split everywhere).
+ATTENTION_SPLITS = ("adaptive", "fixed")
+# Full attention's prologue (target/layers/attention.py): "triton"
+# (target/kernels/qk_rope_triton.py: the q and k norms, RoPE and the K/V cache writes as one
+# launch per layer) or "torch" (fused.qk_norm_rope, then attention.store_kv's index copies);
+# "auto" is triton where Triton runs (CUDA), torch elsewhere.
+ATTENTION_PROLOGUE = ("auto", "torch", "triton")
 # The routed experts (target/layers/moe.py FusedExperts): "auto" takes, on CUDA, the Triton
 # pair GEMVs up to PAIR_MAX (token, slot) pairs (small decode steps), the sorted-pair block
 # GEMMs up to SORTED_MAX (pairs sorted by expert, block-aligned: each touched expert's
@@ -51,8 +51,9 @@ GDN_RECURRENCE = ("auto", "fla", "slots")
 # (fused.gdn_gates and fused.conv_split_heads before it, fused.gated_rms_norm after it,
 # compiled) or, with the slots recurrence, "triton" (target/kernels/gdn_prologue.py: the conv,
 # head split, q/k norms and gates in one launch per layer, a decode's conv state written in it;
-# the gated output norm one program per token and head; not yet measured on a GPU).
-GDN_PROLOGUE = ("torch", "triton")
+# the gated output norm one program per token and head); "auto" is triton on CUDA with the
+# slots recurrence, torch elsewhere.
+GDN_PROLOGUE = ("auto", "torch", "triton")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -87,13 +88,13 @@ def _triton_or(value: str, name: str, module, device: torch.device | str, other:
 @dataclass(frozen=True)
 class KernelConfig:
     attention: str = "auto"  # ATTENTION_BACKENDS
-    attention_splits: str = "fixed"  # ATTENTION_SPLITS
-    attention_prologue: str = "torch"  # ATTENTION_PROLOGUE
+    attention_splits: str = "adaptive"  # ATTENTION_SPLITS
+    attention_prologue: str = "auto"  # ATTENTION_PROLOGUE
     moe: str = "auto"  # MOE_BACKENDS
     moe_routing: str = "auto"  # MOE_ROUTING
     gdn_rounds: str = "batched"  # GDN_ROUNDS
     gdn_recurrence: str = "auto"  # GDN_RECURRENCE
-    gdn_prologue: str = "torch"  # GDN_PROLOGUE
+    gdn_prologue: str = "auto"  # GDN_PROLOGUE
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
     # functions are shared by every model in the process.
@@ -133,13 +134,12 @@ class KernelConfig:
         return attention_triton.LAUNCH
 
     def attention_prologue_kernel(self, device: torch.device | str) -> str:
-        """attention_prologue, checked against the device: "triton" needs Triton and CUDA
-        (or TRITON_INTERPRET=1)."""
+        """attention_prologue resolved on this device: "triton" (needs Triton and CUDA, or
+        TRITON_INTERPRET=1) or "torch"."""
         from target.kernels import qk_rope_triton
 
-        if self.attention_prologue == "triton":
-            _check_triton("attention_prologue 'triton'", qk_rope_triton, device)
-        return self.attention_prologue
+        return _triton_or(self.attention_prologue, "attention_prologue", qk_rope_triton,
+                          device, "torch")
 
     def experts_kernel(self, device: torch.device | str) -> str:
         """moe, checked against the device: the Triton paths ("pairs", "sorted") need Triton
@@ -167,13 +167,18 @@ class KernelConfig:
                           triton_name="slots")
 
     def gdn_prologue_kernel(self, device: torch.device | str) -> str:
-        """gdn_prologue, checked against the device: "triton" needs Triton and CUDA (or
-        TRITON_INTERPRET=1) and the slots recurrence (it leaves q and k at the key heads)."""
+        """gdn_prologue resolved on this device: "triton" needs Triton and CUDA (or
+        TRITON_INTERPRET=1) and the slots recurrence (it leaves q and k at the key heads);
+        "auto" takes it on CUDA with the slots recurrence (never the interpreter)."""
         from target.kernels import gdn_prologue
 
+        slots = self.recurrence_kernel(device) == "slots"
+        if self.gdn_prologue == "auto":
+            cuda = torch.device(device).type == "cuda" and gdn_prologue.triton is not None
+            return "triton" if slots and cuda else "torch"
         if self.gdn_prologue == "triton":
             _check_triton("gdn_prologue 'triton'", gdn_prologue, device)
-            if self.recurrence_kernel(device) != "slots":
+            if not slots:
                 raise ValueError("gdn_prologue 'triton' needs gdn_recurrence 'slots'")
         return self.gdn_prologue
 

@@ -21,8 +21,9 @@
 #            (KernelConfig attention_splits; at most 128 splits, and 512), and adaptive at two
 #            more tile shapes, at 512, 8k and 128k keys, 1 and 8 sequences, 1 and 16 queries
 #   variants bench/engine.py at batch 1 and 8, B = 16, in one process: the default kernels, then
-#            each kernel variant (VARIANTS, KernelConfig fields; by default the variants not
-#            yet measured), then the defaults again (the same-run spread)
+#            each kernel variant (VARIANTS, KernelConfig fields; by default the three defaults
+#            taken last: the path before them, then each one reverted alone), then the defaults
+#            again (the same-run spread)
 # Usage: pip download --no-deps -d .whl flash-linear-attention fla-core   (on a machine with pip)
 #        pip download --no-deps dflash==0.1.0 -d .whl   (the tests' reference draft)
 #        OUT=/some/dir bash tools/gpu_fastpath_check.sh [tests profile golden bench]
@@ -94,7 +95,7 @@ variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
     --prompt-len 512 --iters 10 --warmup 3 \
-    --variants ${VARIANTS:-attention_splits=adaptive attention_prologue=triton gdn_prologue=triton attention_splits=adaptive,attention_prologue=triton,gdn_prologue=triton moe=auto} \
+    --variants ${VARIANTS:-attention_splits=fixed,attention_prologue=torch,gdn_prologue=torch attention_splits=fixed attention_prologue=torch gdn_prologue=torch moe=auto} \
     --out "$OUT/engine_variants.json" 2>&1 | tee "$OUT/engine_variants.log" \
     | grep -v "falling back" | tail -12 ;;
 esac; done

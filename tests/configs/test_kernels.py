@@ -55,18 +55,24 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
 
 def test_auto_takes_the_triton_kernels_on_cuda_only():
     """The defaults measured fastest on the H200 (docs/BENCHMARKS.md): on a CUDA device the
-    router's Triton kernel and the in-place GDN recurrence; elsewhere their torch / fla
-    references, never the interpreter unless asked for."""
+    router's Triton kernel, the in-place GDN recurrence and both Triton prologues; elsewhere
+    their torch / fla references, never the interpreter unless asked for."""
     from target.kernels import gdn_slots, moe_route
 
     default = KernelConfig()
-    assert (default.routing_kernel("cpu"), default.recurrence_kernel("cpu")) == ("torch", "fla")
+    on = ("routing_kernel", "recurrence_kernel", "attention_prologue_kernel",
+          "gdn_prologue_kernel")
+
+    def resolved(config: KernelConfig, device: str) -> tuple[str, ...]:
+        return tuple(getattr(config, name)(device) for name in on)
+
+    assert resolved(default, "cpu") == ("torch", "fla", "torch", "torch")
     if moe_route.triton is None or gdn_slots.triton is None:
         pytest.skip("Triton is not installed")
-    assert (default.routing_kernel("cuda"), default.recurrence_kernel("cuda")) == (
-        "triton", "slots")
-    forced = KernelConfig(moe_routing="torch", gdn_recurrence="fla")
-    assert (forced.routing_kernel("cuda"), forced.recurrence_kernel("cuda")) == ("torch", "fla")
+    assert resolved(default, "cuda") == ("triton", "slots", "triton", "triton")
+    forced = KernelConfig(moe_routing="torch", gdn_recurrence="fla", attention_prologue="torch")
+    # the GDN prologue's "auto" follows the recurrence: the fla path takes the torch one
+    assert resolved(forced, "cuda") == ("torch", "fla", "torch", "torch")
     # the Triton GDN prologue leaves q and k at the key heads: the slots recurrence only
     assert KernelConfig(gdn_prologue="triton").gdn_prologue_kernel("cuda") == "triton"
     with pytest.raises(ValueError, match="needs gdn_recurrence 'slots'"):
@@ -144,7 +150,7 @@ def test_the_engine_workers_take_the_engine_configs_kernels(tiny_demo):
     assert found["experts"] == {"reference"}
     assert found["round_attention"] == {"reference"}  # CPU: rounds run eagerly
     assert found["block_attention"] == {"gathered"}
-    assert found["launch"] == {KernelConfig().attention_launch()}  # "fixed"
+    assert found["launch"] == {KernelConfig().attention_launch()}  # "adaptive"
     assert not fused._enabled  # no CUDA graphs, no compiled chains
     out = engine.generate([[1, 2, 3]], [cfg_params()])[0]
     assert len(out.output_ids) == 4 and out.finish_reason == "length"
