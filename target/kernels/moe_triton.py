@@ -61,8 +61,10 @@ class PairBlocks:
 # of five shapes at 4, 8, 16 and 32 tokens and within 11 % of the fastest at 1 and 2, ahead
 # of the earlier per-step heuristic everywhere (28 against 33 µs at 1 token, 39 against 59 at
 # 2, 194 against 202 at 16). ptxas for sm90 (Triton 3.9, bf16): gate_up 134 registers, no
-# spills; 16-byte weight loads.
+# spills; 16-byte weight loads. Prefetch keeps the bits and was faster at every token count
+# of the later sweep (1-16; docs/BENCHMARKS.md).
 _BLOCK_N, _BLOCK_K, _NUM_WARPS = 16, 256, 4
+_PREFETCH = True
 # The most (token, slot) pairs FusedExperts sends here rather than to the sorted-pair block
 # GEMMs (target/kernels/moe_sorted.py): decode at batch 1 and 2 (8 experts per token on
 # Qwen3.5-35B-A3B). bench/moe_kernel.py on an H200 (2026-12-05, CUDA graphs, default shapes):
@@ -78,7 +80,7 @@ def pair_blocks(depth: int) -> PairBlocks:
     order, and so the rounding, of a pair's result stays put). BLOCK_K is 256, or the power of
     two ≥ depth where that is shorter (small models)."""
     return PairBlocks(_BLOCK_N, min(_BLOCK_K, max(16, 1 << (depth - 1).bit_length())),
-                      _NUM_WARPS)
+                      _NUM_WARPS, _PREFETCH)
 
 
 def pair_experts_available(x: torch.Tensor) -> bool:

@@ -80,10 +80,11 @@ def prefetch_equal(device: str) -> bool:
         for blocks in ((PairBlocks(16, 32, 2), PairBlocks(32, 16, 1)),
                        (pair_blocks(200), pair_blocks(72))):
             prefetched = [PairBlocks(b.block_n, b.block_k, b.num_warps, True) for b in blocks]
+            plain = [PairBlocks(b.block_n, b.block_k, b.num_warps, False) for b in blocks]
             got = pair_experts(x, gate_up, down, ids, w, gate_up_blocks=prefetched[0],
                                down_blocks=prefetched[1], reduce=False)
-            want = pair_experts(x, gate_up, down, ids, w, gate_up_blocks=blocks[0],
-                                down_blocks=blocks[1], reduce=False)
+            want = pair_experts(x, gate_up, down, ids, w, gate_up_blocks=plain[0],
+                                down_blocks=plain[1], reduce=False)
             same.append(torch.equal(got, want))
     return all(same)
 
@@ -111,7 +112,7 @@ def test_no_tokens_launch_nothing():
 
 def test_one_launch_shape_per_model():
     # Qwen3.5-35B-A3B: gate_up reduces over H = 2048, down over I = 512; both 16×256.
-    assert pair_blocks(2048) == pair_blocks(512) == PairBlocks(16, 256, 4)
+    assert pair_blocks(2048) == pair_blocks(512) == PairBlocks(16, 256, 4, prefetch=True)
     assert pair_blocks(72).block_k == 128  # not past the reduction length
     assert pair_blocks(8).block_k == 16
     assert not pair_experts_available(torch.zeros(1))
