@@ -7,14 +7,17 @@ speculative decoding equal to target-only decoding).
 Also the floor: the bytes of K/V read once over the measured bandwidth.
 
     python -m bench.round_attention [--keys 32768 131072] [--seqs 1 8] [--widths 1 16]
-        [--forms gathered triton] [--launch SPLIT,BM,BN,WARPS,STAGES[,CHUNK] ...]
+        [--forms gathered triton] [--launch SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS]] ...]
         [--out result.json]
 
---launch adds the Triton kernel at each given launch shape (target/kernels/attention_triton.py
-Launch) as a form "triton_<shape>", to choose the default.
+"triton" runs the engine's launch shape (KernelConfig's attention_splits); --launch adds the
+Triton kernel at each given launch shape (target/kernels/attention_triton.py Launch; the last
+field max_splits, 0 for the fixed split) as a form "triton_<shape>", to choose the default.
 
 Shapes: the 35B-A3B's full-attention layer at TP 1 (16 query heads over 2 kv heads of 256),
-bf16, pages of 16 in shuffled order, every sequence at the full context.
+bf16, pages of 16 in shuffled order, every sequence at the full context. Times are CUDA-graph
+replays of REPS calls, as the engine's steps run: eager calls would time the host's launches
+(~0.1 ms), not the kernels, at short context.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from bench.timing import graphed
+from configs.kernels import KernelConfig
 from target.kernels import attention as attn
 from target.kernels import attention_triton
 
@@ -52,25 +57,31 @@ def gathered(q, k, v, tables, lens, scale):
 
 
 def triton_form(q, k, v, tables, lens, scale, launch=None):
+    """The Triton kernel at `launch`, by default the engine's (KernelConfig's splits)."""
     width = q.shape[0] // tables.shape[0]
     return attention_triton.paged_attention(q, k, v, tables, lens - width, lens, scale,
-                                            launch=launch)
+                                            launch=launch or KernelConfig().attention_launch())
 
 
 FORMS = {"gathered": gathered, "triton": triton_form}
 
 
+REPS = 10  # calls per captured graph: one replay's launch cost spread over them
+
+
 def time_ms(fn, iters: int, warmup: int) -> float:
+    """The median time of one call, from replays of a graph of REPS calls."""
+    replay = graphed([fn] * REPS)
     for _ in range(warmup):
-        fn()
+        replay()
     samples = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end))
+        samples.append(start.elapsed_time(end) / REPS)
     return statistics.median(samples)
 
 
@@ -81,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--widths", type=int, nargs="+", default=[1, 16])
     p.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS))
     p.add_argument("--launch", nargs="*", default=[],
-                   help="more Triton launch shapes: split,block_m,block_n,warps,stages[,chunk]")
+                   help="more Triton launch shapes: "
+                        "split,block_m,block_n,warps,stages[,chunk[,max_splits]]")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out")

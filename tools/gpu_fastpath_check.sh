@@ -2,6 +2,8 @@
 # The GPU fast path on one GPU host without package access, in parts (default: all), results
 # under $OUT:
 #   tests    every `gpu` test of the engine (kernels against their references, CUDA graphs)
+#   kernels  the Triton kernels' interpreter tests, here on CUDA (against their references; the
+#            bits: a token alone = in a batch, a block = its tokens one by one, prefetch = none)
 #   moetests the routed-expert and routing tests alone, and the pair / sorted kernels' bf16
 #            consistency at real sizes (alone vs batched; against grouped / pairs)
 #   profile  bench/profile_step.py at batch 1 (CUDA graphs; PROFILE_VARIANT: KernelConfig fields
@@ -17,9 +19,9 @@
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at ten launch shapes (with and
 #            without prefetch), and the torch / Triton prologue and output norm, at decode and
 #            a B = 16 verify and its commit, 1 and 8 sequences
-#   attnsweep bench/round_attention.py: the Triton attention with fixed and adaptive splits
-#            (KernelConfig attention_splits; at most 128 splits, and 512), and adaptive at two
-#            more tile shapes, at 512, 8k and 128k keys, 1 and 8 sequences, 1 and 16 queries
+#   attnsweep bench/round_attention.py: the Triton attention with the engine's adaptive splits
+#            (at most 128), at most 32 and 64, and the fixed split, at 512, 8k, 32k and 128k
+#            keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
 #   variants bench/engine.py at batch 1 and 8, B = 16, in one process: the default kernels, then
 #            each kernel variant (VARIANTS, KernelConfig fields; by default the three defaults
 #            taken last: the path before them, then each one reverted alone), then the defaults
@@ -42,6 +44,16 @@ tests)
     --tb=short --continue-on-collection-errors -m gpu tests/target tests/workers tests/draft \
     tests/cluster/test_gpu_cluster.py -k "not ray" > "$OUT/gpu_tests.txt" 2>&1
   tail -12 "$OUT/gpu_tests.txt" ;;
+kernels)  # the Triton kernels' tests that run in the interpreter on CPU, here on CUDA: each
+  # kernel against its reference, and the bits (alone = in a batch, a block = its tokens
+  # decoded one by one, prefetch = none) at the real dtypes, where launch shapes set the order
+  timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+    --tb=short -m "not gpu" tests/target/test_attention_triton.py \
+    tests/target/test_gdn_slots.py tests/target/test_gdn_prologue.py \
+    tests/target/test_qk_rope_triton.py tests/target/test_moe_triton.py \
+    tests/target/test_moe_sorted.py tests/target/test_moe_route.py \
+    > "$OUT/gpu_kernel_tests.txt" 2>&1
+  tail -4 "$OUT/gpu_kernel_tests.txt" ;;
 moetests)
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
     --tb=short -m gpu tests/target/test_moe_triton.py tests/target/test_moe_kernel.py \
@@ -83,13 +95,12 @@ linear)
 gdn)
   timeout ${GDN_TIMEOUT:-240} python3 -m bench.gdn_kernel --device cuda \
     --out "$OUT/gdn_kernel.json" 2>&1 | tee "$OUT/gdn_kernel.log" | tail -40 ;;
-attnsweep)  # the last --launch field is max_splits: 128 is attention_triton.ADAPTIVE_LAUNCH;
-  # 512 splits 128k keys in 256s (512 programs a kv head for a long decode, not 128); 8 warps
-  # and 32-key steps: the default's 255 registers and spills gone (tools/triton_aot.py)
-  timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention --keys 512 8192 131072 \
+attnsweep)  # "triton" is the engine's launch (adaptive splits, at most 128); the last --launch
+  # field is max_splits: 0 the fixed 1024-key split, 32 and 64 fewer partial results for wide
+  # batches at mid context to write and merge
+  timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention --keys 512 8192 32768 131072 \
     --seqs 1 8 --widths 1 16 --forms triton \
-    --launch 1024,32,64,4,2,32,128 1024,32,64,4,2,32,512 1024,32,64,8,2,32,128 \
-    1024,32,32,4,3,32,128 \
+    --launch 1024,32,64,4,2,32,0 1024,32,64,4,2,32,32 1024,32,64,4,2,32,64 \
     --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -16 ;;
 variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
