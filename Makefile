@@ -4,7 +4,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # torch 2.13.0: a CPU build on the dev/CI machines; from PyPI on a GPU host it is the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
-PYTEST_ARGS ?=
+# the slowest tests at the end of the log: what to look at when the suite nears its 20 minutes
+PYTEST_ARGS ?= --durations=20
 
 .PHONY: setup serve test lint demo-assets clean
 
