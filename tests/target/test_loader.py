@@ -110,6 +110,27 @@ def test_moe_input_weights_load_into_one_tensor(tiny_models, tp):
         assert not moe.in_proj[used:].any()
 
 
+def test_moe_input_gemm_reads_the_unpadded_rows_for_one_token(tiny_models, monkeypatch):
+    """A one-token step multiplies by the rows in use (cuBLAS's GEMV), a longer one by the
+    padded tensor; a token's outputs are the same either way (fp32 on CPU)."""
+    import target.layers.moe as moe_module
+
+    moe = load_target(tiny_models / "target").model.layers[0].mlp
+    seen, linear = [], moe_module.F.linear
+    storage = moe.in_proj.untyped_storage().data_ptr()
+
+    def record(x, w, *args):
+        if w.untyped_storage().data_ptr() == storage:  # the input GEMM (not the experts')
+            seen.append(w.shape[0])
+        return linear(x, w, *args)
+
+    monkeypatch.setattr(moe_module.F, "linear", record)
+    x = torch.randn(3, moe.in_proj.shape[1], generator=torch.Generator().manual_seed(0))
+    alone, batch = moe(x[:1]), moe(x)
+    assert seen == [sum(moe.in_sizes), moe.in_proj.shape[0]] and seen[1] > seen[0]
+    torch.testing.assert_close(alone[0], batch[0])
+
+
 # --------------------------------------------------------------------------------------------
 # Broken checkpoints → readable ValueErrors
 # --------------------------------------------------------------------------------------------
