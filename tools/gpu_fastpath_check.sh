@@ -22,6 +22,9 @@
 #   attnsweep bench/round_attention.py: the Triton attention with the engine's adaptive splits
 #            (at most 128), at most 32 and 64, and the fixed split, at 512, 8k, 32k and 128k
 #            keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
+#   midctx   bench/engine.py at 8,192 tokens of context, batch 1 and 8, B = 16, in one process:
+#            the default (adaptive) attention splits, then the fixed split, then the defaults
+#            again (where many splits' partial results cost most: wide batches at mid context)
 #   variants bench/engine.py at batch 1 and 8, B = 16, in one process: the default kernels, then
 #            each kernel variant (VARIANTS, KernelConfig fields; by default the three defaults
 #            taken last: the path before them, then each one reverted alone), then the defaults
@@ -102,6 +105,12 @@ attnsweep)  # "triton" is the engine's launch (adaptive splits, at most 128); th
     --seqs 1 8 --widths 1 16 --forms triton \
     --launch 1024,32,64,4,2,32,0 1024,32,64,4,2,32,32 1024,32,64,4,2,32,64 \
     --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -16 ;;
+midctx)
+  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
+    --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
+    --prompt-len 8192 --iters 5 --warmup 2 --variants attention_splits=fixed moe=auto \
+    --out "$OUT/engine_midctx.json" 2>&1 | tee "$OUT/engine_midctx.log" \
+    | grep -v "falling back" | tail -8 ;;
 variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
