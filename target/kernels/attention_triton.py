@@ -69,13 +69,16 @@ class Launch:
     max_splits: int = 0
 
 
-# The launch shape every call uses, from the sweep of bench/round_attention.py --launch on the
+# The tiles both launches below use, from the sweep of bench/round_attention.py --launch on the
 # H200 (docs/BENCHMARKS.md): against 16-row tiles (8 warps), 32-row ones take 23-25 % less
 # time for a block of 16 queries at 128k keys (1 and 8 sequences) and up to 18 % more for one
 # query (8 sequences; 0.17 against 0.11 ms at 8k). Verify blocks are what a DFlash round runs.
+# LAUNCH splits every sequence's keys 1024 at a time (KernelConfig attention_splits "fixed",
+# and paged_attention's default where no launch is given).
 LAUNCH = Launch()
 SPLIT_KEYS = LAUNCH.split
-# KernelConfig attention_splits "adaptive": the same tiles, splits per sequence by its length.
+# KernelConfig attention_splits "adaptive" (the models' default): the same tiles, splits per
+# sequence by its length.
 # At most 128 splits: from 64k to 128k keys that is the fixed launch's 1024 keys per split (the
 # same programs, the same bits), and below it more and shorter splits down to one tile: a
 # decode at batch 1 over 2 kv heads runs 16 one-tile programs at 512 keys, where the fixed
@@ -249,7 +252,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [S] int32 on q's device. Key j of sequence s is seen by the query at position p when
     j < kv_lens[s], j ≤ p (causal) and |p − j| < window (window; one-sided when causal).
     Returns out [S·W, Hq, D] in q's dtype, and with_lse also the log-sum-exp [S·W, Hq] fp32
-    (−inf, out 0, for a query that sees no key). `launch`: LAUNCH unless a benchmark sweeps."""
+    (−inf, out 0, for a query that sees no key). `launch`: the model's
+    (KernelConfig.attention_launch()), LAUNCH where none is given."""
     launch = launch or LAUNCH
     n_tokens, n_heads, dim = q.shape
     n_seqs, n_pages = block_tables.shape
