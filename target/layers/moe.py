@@ -20,6 +20,7 @@ from target.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     stack_rows,
+    stacked_linear,
 )
 from target.weights import WeightSource, copy_into, expect_shape
 
@@ -145,12 +146,7 @@ class SparseMoE(nn.Module):
         self.register_buffer("in_proj", in_proj, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = sum(self.in_sizes)
-        # One token (a decode at batch 1): the unpadded rows, which cuBLAS runs as a GEMV
-        # (4.5 µs on the H200 for the 35B's 1,281 rows, against 6.8 padded); more tokens: the
-        # padded rows, which keep it off a slow kernel (5.9 µs against 12.1 at 16 tokens).
-        weight = self.in_proj[:rows] if x.shape[0] == 1 else self.in_proj
-        y = F.linear(x, weight)[:, :rows]  # (past it: the alignment)
+        y = stacked_linear(x, self.in_proj, sum(self.in_sizes))
         logits, gate_up, shared_gate = y.split(self.in_sizes, dim=-1)  # [T, E], [T, 2·I/tp], [T, 1]
         route = route_topk if self.routing == "triton" else fused.moe_route
         topk_weights, topk_ids = route(logits, self.top_k, x.dtype)  # [T, k]
