@@ -42,7 +42,7 @@ from bench.timing import graphed, median_p90, sample_times
 REAL = dict(hk=16, hv=32, dk=128, dv=128, kernel=4)
 SMALL = dict(hk=2, hv=4, dk=16, dv=16, kernel=4)
 # (block_v, warps, prefetch); the first is gdn_slots.LAUNCH.
-SHAPES = [(32, 4, True), (32, 4, False), (16, 4, False), (16, 4, True), (16, 2, False),
+SHAPES = [(32, 4, False), (32, 4, True), (16, 4, False), (16, 4, True), (16, 2, False),
           (16, 2, True), (8, 1, False), (8, 1, True), (64, 8, False), (64, 8, True)]
 POOL_BYTES = 256 << 20  # the states one sample touches: five times the H200's L2
 PREFILL_TOKENS = 8192  # the engine's default max_num_batched_tokens

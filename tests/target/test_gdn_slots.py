@@ -51,9 +51,9 @@ CASES = {
     "kept": (6, 2, 4, 16, 16, [0, 3, 6], True, True),  # outputs past n: the state as it is
     "commit": (6, 2, 4, 16, 16, [0, 3, 6], True, False),  # the commit's replay
 }
-# The launch shapes the cases run at (bench/gdn_kernel.py sweeps these and more): the default
-# (prefetching), the same without prefetch, and narrower tiles with fewer warps.
-LAUNCHES = {"default": LAUNCH, "plain": SlotsLaunch(LAUNCH.block_v, LAUNCH.warps, False),
+# The launch shapes the cases run at (bench/gdn_kernel.py sweeps these and more): the default,
+# the same with prefetch, and narrower tiles with fewer warps.
+LAUNCHES = {"default": LAUNCH, "prefetch": SlotsLaunch(LAUNCH.block_v, LAUNCH.warps, True),
             "narrow": SlotsLaunch(16, 2), "narrow_prefetch": SlotsLaunch(16, 2, True),
             "warp": SlotsLaunch(8, 1), "warp_prefetch": SlotsLaunch(8, 1, True)}
 
@@ -160,7 +160,7 @@ def block_vs_decode(device: str) -> dict[str, int]:
         dtype, length, dk, dv = torch.bfloat16, 16, 128, 48
     else:  # (the interpreter's numpy has no bf16; its bits do not depend on the tiling)
         dtype, length, dk, dv = torch.float16, 5, 32, 32
-        launches = {name: LAUNCHES[name] for name in ("default", "plain")}
+        launches = {name: LAUNCHES[name] for name in ("default", "prefetch")}
     q, k, v, g, beta, cache = problem(3, length, 2, 4, dk, dv, dtype, device, seed=2)
     slots = torch.tensor(SLOTS, device=device)
     kept = torch.full((3,), length, device=device)
@@ -210,14 +210,14 @@ interpreted, errors = triton_child.fixtures(__file__, case_error)
 
 
 def launch_cases() -> list[tuple[str, str]]:
-    """(case@launch, dtype): every case at the default shape; without prefetch the cases whose
+    """(case@launch, dtype): every case at the default shape; with prefetch the cases whose
     loops it changes (a block, kept counts, the commit); at the other tile widths a partial
     value tile. fp32 past the default: the interpreter is slow, and the launch shape changes
     only the tiling and, on a GPU, the order of the reductions (block_vs_decode's bits)."""
     out = [(f"{name}@default", dtype) for name in CASES for dtype in DTYPES]
-    out += [(f"{name}@plain", "fp32") for name in ("verify", "kept", "commit")]
+    out += [(f"{name}@prefetch", "fp32") for name in ("verify", "kept", "commit")]
     return out + [(f"partial_tiles@{launch}", "fp32") for launch in LAUNCHES
-                  if launch not in ("default", "plain")]
+                  if launch not in ("default", "prefetch")]
 
 
 @needs_triton
@@ -234,7 +234,7 @@ def test_a_block_gets_the_bits_of_its_tokens_decoded_one_by_one(interpreted):
     outputs and its commit's states are a decode's, bit for bit, at every launch shape; and
     prefetching changes no bit."""
     got = interpreted["block_vs_decode"] if interpreted is not None else block_vs_decode("cuda")
-    assert LAUNCH.prefetch and "default vs plain" in got and not any(got.values()), got
+    assert "prefetch vs default" in got and not any(got.values()), got
 
 
 @needs_triton
