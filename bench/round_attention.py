@@ -7,12 +7,14 @@ speculative decoding equal to target-only decoding).
 Also the floor: the bytes of K/V read once over the measured bandwidth.
 
     python -m bench.round_attention [--keys 32768 131072] [--seqs 1 8] [--widths 1 16]
-        [--forms gathered triton] [--launch SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS]] ...]
+        [--forms gathered triton]
+        [--launch SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO]]] ...]
         [--out result.json]
 
 "triton" runs the engine's launch shape (KernelConfig's attention_splits); --launch adds the
 Triton kernel at each given launch shape (target/kernels/attention_triton.py Launch; the last
-field max_splits, 0 for the fixed split) as a form "triton_<shape>", to choose the default.
+fields max_splits, 0 for the fixed split, and split_ratio, 0 for none) as a form
+"triton_<shape>", to choose the default.
 
 Shapes: the 35B-A3B's full-attention layer at TP 1 (16 query heads over 2 kv heads of 256),
 bf16, pages of 16 in shuffled order, every sequence at the full context. Times are CUDA-graph
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS))
     p.add_argument("--launch", nargs="*", default=[],
                    help="more Triton launch shapes: "
-                        "split,block_m,block_n,warps,stages[,chunk[,max_splits]]")
+                        "split,block_m,block_n,warps,stages[,chunk[,max_splits[,split_ratio]]]")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out")

@@ -21,9 +21,10 @@ import torch
 # with either.
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 # The Triton attention's key splits (target/kernels/attention_triton.py Launch): "adaptive"
-# (per sequence, the fewest BLOCK_N·2^j keys that make at most ADAPTIVE_SPLITS splits: more
-# programs at a short context, where a fixed split leaves one program per kv head walking
-# every key) or "fixed" (the same number of keys per split everywhere).
+# (per sequence, the fewest BLOCK_N·2^j keys that make at most ADAPTIVE_SPLITS splits and
+# split_len² ≥ ADAPTIVE_RATIO · keys: more programs at a short context, where a fixed split
+# leaves one program per kv head walking every key) or "fixed" (the same number of keys per
+# split everywhere).
 ATTENTION_SPLITS = ("adaptive", "fixed")
 # Full attention's prologue (target/layers/attention.py): "triton"
 # (target/kernels/qk_rope_triton.py: the q and k norms, RoPE and the K/V cache writes as one

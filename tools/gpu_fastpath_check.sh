@@ -20,8 +20,8 @@
 #            without prefetch), and the torch / Triton prologue and output norm, at decode and
 #            a B = 16 verify and its commit, 1 and 8 sequences
 #   attnsweep bench/round_attention.py: the Triton attention with the engine's adaptive splits
-#            (at most 128), at most 32 and 64, and the fixed split, at 512, 8k, 32k and 128k
-#            keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
+#            (split² ≥ 4 · keys, at most 128), at most 128 and 32 splits alone, and the fixed
+#            split, at 512 to 128k keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
 #   midctx   bench/engine.py at 8,192 tokens of context, batch 1 and 8, B = 16, in one process:
 #            the default (adaptive) attention splits, then the fixed split, then the defaults
 #            again (where many splits' partial results cost most: wide batches at mid context)
@@ -98,13 +98,12 @@ linear)
 gdn)
   timeout ${GDN_TIMEOUT:-240} python3 -m bench.gdn_kernel --device cuda \
     --out "$OUT/gdn_kernel.json" 2>&1 | tee "$OUT/gdn_kernel.log" | tail -40 ;;
-attnsweep)  # "triton" is the engine's launch (adaptive splits, at most 128); the last --launch
-  # field is max_splits: 0 the fixed 1024-key split, 32 and 64 fewer partial results for wide
-  # batches at mid context to write and merge
-  timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention --keys 512 8192 32768 131072 \
-    --seqs 1 8 --widths 1 16 --forms triton \
-    --launch 1024,32,64,4,2,32,0 1024,32,64,4,2,32,32 1024,32,64,4,2,32,64 \
-    --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -16 ;;
+attnsweep)  # "triton" is the engine's launch (adaptive splits); the --launch fields end in
+  # max_splits (0: the fixed 1024-key split) and split_ratio (0: none)
+  timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention \
+    --keys 512 2048 8192 32768 131072 --seqs 1 8 --widths 1 16 --forms triton \
+    --launch 1024,32,64,4,2,32,0,0 1024,32,64,4,2,32,128,0 1024,32,64,4,2,32,32,0 \
+    --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -20 ;;
 midctx)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \

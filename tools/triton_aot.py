@@ -233,7 +233,7 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
     sizes = {"width": 16, "n_heads": 16, "n_tokens": 16, "window": 0}
     out = []
     extra = [(f" {la.split},{la.block_m},{la.block_n},{la.warps},{la.stages},"
-              f"{la.merge_chunk},{la.max_splits}", la) for la in launches]
+              f"{la.merge_chunk},{la.max_splits},{la.split_ratio}", la) for la in launches]
     for name, launch in (("", attention_triton.LAUNCH),
                          (", adaptive", attention_triton.ADAPTIVE_LAUNCH), *extra):
         out += [
@@ -241,7 +241,8 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
                     "_split_kernel", split,
                     {"PAGE": 16, "D": 256, "BLOCK_D": 256, "BLOCK_M": launch.block_m,
                      "BLOCK_N": launch.block_n, "SPLIT": launch.split,
-                     "MAX_SPLITS": launch.max_splits, "CAUSAL": True, "WINDOWED": False,
+                     "MAX_SPLITS": launch.max_splits, "RATIO": launch.split_ratio,
+                     "CAUSAL": True, "WINDOWED": False,
                      "IEEE": False},
                     {"num_warps": launch.warps, "num_stages": launch.stages},
                     {**sizes, "stride_qt": 4096, "stride_qh": 256, "stride_kb": 8192,
@@ -250,7 +251,8 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
             Variant(f"attention merge{name}", "target.kernels.attention_triton",
                     "_merge_kernel", merge,
                     {"D": 256, "BLOCK_D": 256, "BLOCK_N": launch.block_n, "SPLIT": launch.split,
-                     "MAX_SPLITS": launch.max_splits, "CHUNK": launch.merge_chunk,
+                     "MAX_SPLITS": launch.max_splits, "RATIO": launch.split_ratio,
+                     "CHUNK": launch.merge_chunk,
                      "WINDOWED": False, "WITH_LSE": False}, {"num_warps": 4},
                     {**sizes, "stride_ot": 4096, "stride_oh": 256}),
         ]

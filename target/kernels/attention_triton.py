@@ -27,7 +27,7 @@ inside a verify block of any size give the same bits (speculative decoding = tar
 decoding in bf16 too), and a sequence's result does not depend on the other sequences. With
 max_splits a sequence's split length depends on its own key count: still independent of the
 batch, and the same for a decode and its verify block unless the block's keys cross a
-doubling of the split length (max_splits·BLOCK_N·2^j keys).
+key count where the split length doubles.
 
 Row tiles vary fastest in the grid: the programs reading one split's keys run side by side
 and share them through L2, so K/V come from memory about once per kv head.
@@ -67,6 +67,10 @@ class Launch:
     # splits (programs enough to fill the GPU), at a long one at most max_splits partial
     # results per row to write and merge.
     max_splits: int = 0
+    # With max_splits, 0 or at most split_len / split_ratio splits too: the split count then
+    # grows as the square root of the key count (split_len² ≥ split_ratio · keys), so a wide
+    # batch at mid context is not cut into max_splits partial results of a few keys each.
+    split_ratio: int = 0
 
 
 # The tiles both launches below use, from the sweep of bench/round_attention.py --launch on the
@@ -78,13 +82,18 @@ class Launch:
 LAUNCH = Launch()
 SPLIT_KEYS = LAUNCH.split
 # KernelConfig attention_splits "adaptive" (the models' default): the same tiles, splits per
-# sequence by its length.
-# At most 128 splits: from 64k to 128k keys that is the fixed launch's 1024 keys per split (the
-# same programs, the same bits), and below it more and shorter splits down to one tile: a
-# decode at batch 1 over 2 kv heads runs 16 one-tile programs at 512 keys, where the fixed
-# split has 2 programs walking all 512.
-ADAPTIVE_SPLITS = 128
-ADAPTIVE_LAUNCH = Launch(max_splits=ADAPTIVE_SPLITS)
+# sequence by its length, split_len² ≥ 4 · keys and at most 256 splits: 64 keys a split up to
+# 1k keys (a decode at batch 1 over 2 kv heads runs 16 one-tile programs at 512 keys, where
+# the fixed split has 2 programs walking all 512), 128 up to 4k, 256 up to 16k, 512 up to 64k,
+# 1024 up to 256k (the fixed launch's programs and bits), then at most 256 splits. In the H200
+# sweep of bench/round_attention.py (docs/BENCHMARKS.md) those lengths were at or near the
+# fastest of the caps 32, 64 and 128 at every key count; a cap of 128 splits alone cut 8k
+# keys into 128 one-tile splits, whose partial results cost a batch of 8 verify blocks twice
+# the fixed split's time, and took 2048-key splits just past 128k, where a batch-1 decode's
+# attention took 0.134 against 0.110 ms with 1024.
+ADAPTIVE_SPLITS = 256
+ADAPTIVE_RATIO = 4
+ADAPTIVE_LAUNCH = Launch(max_splits=ADAPTIVE_SPLITS, split_ratio=ADAPTIVE_RATIO)
 
 
 def available(device: torch.device | str) -> bool:
@@ -100,12 +109,17 @@ def available(device: torch.device | str) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _adaptive_split(kv_len, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    def _adaptive_split(kv_len, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                        RATIO: tl.constexpr):
         """The fewest BLOCK_N·2^j keys per split that make at most MAX_SPLITS splits of kv_len
-        keys (doubled at most 24 times)."""
+        keys, and with RATIO at most split / RATIO of them (doubled at most 24 times)."""
         split = kv_len * 0 + BLOCK_N
         for _ in tl.static_range(24):
-            split = tl.where(split * MAX_SPLITS < kv_len, split * 2, split)
+            if RATIO > 0:
+                most = tl.minimum(split // RATIO, MAX_SPLITS)
+            else:
+                most = split * 0 + MAX_SPLITS
+            split = tl.where(split * most < kv_len, split * 2, split)
         return split
 
     @triton.jit
@@ -115,15 +129,15 @@ if triton is not None:
                       scale, width, group, rows, n_heads, n_tokens, window,
                       PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                      MAX_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      MAX_SPLITS: tl.constexpr, RATIO: tl.constexpr, CAUSAL: tl.constexpr,
+                      WINDOWED: tl.constexpr, IEEE: tl.constexpr):
         tile, split, sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_kv = n_heads // group
         s, kvh = sk // n_kv, sk % n_kv
         kv_len = tl.load(KvLens + s)
         q_first = tl.load(QFirst + s)
         if MAX_SPLITS > 0:
-            split_len = _adaptive_split(kv_len, BLOCK_N, MAX_SPLITS)
+            split_len = _adaptive_split(kv_len, BLOCK_N, MAX_SPLITS, RATIO)
         else:
             split_len = SPLIT
         lo = split * split_len
@@ -198,14 +212,14 @@ if triton is not None:
     def _merge_kernel(Acc, Stat, QFirst, KvLens, Out, Lse, stride_ot, stride_oh,
                       width, n_heads, n_tokens, window,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                      WINDOWED: tl.constexpr, WITH_LSE: tl.constexpr):
+                      SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, RATIO: tl.constexpr,
+                      CHUNK: tl.constexpr, WINDOWED: tl.constexpr, WITH_LSE: tl.constexpr):
         row = tl.program_id(0)  # token · Hq + head
         token, head = row // n_heads, row % n_heads
         s = token // width
         kv_len = tl.load(KvLens + s)
         if MAX_SPLITS > 0:
-            split_len = _adaptive_split(kv_len, BLOCK_N, MAX_SPLITS)
+            split_len = _adaptive_split(kv_len, BLOCK_N, MAX_SPLITS, RATIO)
         else:
             split_len = SPLIT
         first = 0
@@ -243,6 +257,21 @@ if triton is not None:
             tl.store(Lse + row, tl.where(denom > 0.0, shift + tl.log(denom), float("-inf")))
 
 
+def split_bound(launch: Launch, keys: int) -> int:
+    """The most splits a sequence of at most `keys` keys takes: the partial results' rows.
+    With split_ratio a sequence's split length only grows with its key count, so none takes
+    more than split_len(keys) / split_ratio splits."""
+    if not launch.max_splits:
+        return -(-keys // launch.split)
+    bound = min(launch.max_splits, -(-keys // launch.block_n))
+    if launch.split_ratio:
+        split = launch.block_n
+        while split * min(launch.max_splits, split // launch.split_ratio) < keys:
+            split *= 2
+        bound = min(bound, split // launch.split_ratio)
+    return max(bound, 1)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, q_first: torch.Tensor, kv_lens: torch.Tensor,
                     scale: float, *, causal: bool = True, window: int | None = None,
@@ -262,8 +291,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert n_seqs * width == n_tokens and group * kv_heads == n_heads
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     keys = n_pages * page
-    n_splits = (min(launch.max_splits, -(-keys // launch.block_n)) if launch.max_splits
-                else -(-keys // launch.split))
+    n_splits = split_bound(launch, keys)
     rows = group * width
     block_d = max(16, triton.next_power_of_2(dim))
     dev = q.device
@@ -281,12 +309,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale, width, group, rows, n_heads, n_tokens, win,
         PAGE=page, D=dim, BLOCK_D=block_d, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-        SPLIT=launch.split, MAX_SPLITS=launch.max_splits, CAUSAL=causal,
-        WINDOWED=window is not None, IEEE=ieee, num_warps=launch.warps, num_stages=launch.stages)
+        SPLIT=launch.split, MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio,
+        CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee, num_warps=launch.warps,
+        num_stages=launch.stages)
     _merge_kernel[(n_tokens * n_heads,)](
         acc, stat, q_first, kv_lens, out, lse, out.stride(0), out.stride(1),
         width, n_heads, n_tokens, win,
         D=dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, SPLIT=launch.split,
-        MAX_SPLITS=launch.max_splits, CHUNK=launch.merge_chunk, WINDOWED=window is not None,
-        WITH_LSE=with_lse, num_warps=4)
+        MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio, CHUNK=launch.merge_chunk,
+        WINDOWED=window is not None, WITH_LSE=with_lse, num_warps=4)
     return (out, lse) if with_lse else out

@@ -31,6 +31,9 @@ def dtype_on(name: str, device: str) -> torch.dtype:
 # attention_splits "adaptive" at a small bound, so that short sequences take several splits
 # and lengths double it: at most 4 splits of 64·2^j keys
 ADAPTIVE = Launch(max_splits=4)
+# the square-root growth at a small ratio: at most min(8, split / 16) splits, so 64 keys a
+# split up to 256 keys, 128 up to 1024, then 8 splits at most
+RATIO = Launch(max_splits=8, split_ratio=16)
 # name: (context lengths before the queries, W, Hq, Hkv, D, page, causal, window[, launch])
 CASES = {
     "decode": ([5, 17, 64], 1, 8, 2, 16, 4, True, None),
@@ -46,6 +49,8 @@ CASES = {
     "adaptive_verify": ([0, 130, 1000], 6, 4, 2, 16, 16, True, None, ADAPTIVE),
     # 902 keys in 4 splits of 256, the window skipping the first two
     "adaptive_window": ([900], 2, 2, 1, 16, 64, False, 300, ADAPTIVE),
+    # 200 keys in 4 splits of 64, 700 in 6 of 128, 1500 in 6 of 256 (the bound of 8)
+    "ratio_verify": ([194, 694, 1494], 6, 4, 2, 16, 16, True, None, RATIO),
 }
 
 
@@ -125,8 +130,8 @@ def case_error(name: str, dtype: str, device: str) -> float:
 def invariance(device: str, launch: Launch | None = None) -> dict[str, int]:
     """Bits that differ between a query decoded alone and the same query inside a verify
     block (several block sizes), and between a sequence alone and in a batch. bf16 on CUDA,
-    fp16 in the interpreter (numpy's own half type). With ADAPTIVE, lengths whose blocks keep
-    their split length (300–308 keys: 128; 41–48: 64)."""
+    fp16 in the interpreter (numpy's own half type). With ADAPTIVE or RATIO, lengths whose
+    blocks keep their split length (300–308 keys: 128; 41–48: 64)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     # fixed: the block crosses a split boundary in sequence 0; adaptive: 3 splits of 128
     lens = [SPLIT_KEYS - 3, 40] if launch is None else [300, 40]
@@ -222,12 +227,15 @@ def test_split_keys_attention_equals_the_reference(errors, name, dtype):
     assert err < TOL[dtype]
 
 
-@pytest.mark.parametrize("splits", ["fixed", "adaptive"])
+INVARIANCE_LAUNCHES = {"fixed": None, "adaptive": ADAPTIVE, "ratio": RATIO}
+
+
+@pytest.mark.parametrize("splits", INVARIANCE_LAUNCHES)
 def test_a_query_gets_the_same_bits_alone_in_a_block_and_in_a_batch(interpreted, splits):
     if interpreted:
         got = interpreted["invariance"][splits]
     else:
-        got = invariance("cuda", None if splits == "fixed" else ADAPTIVE)
+        got = invariance("cuda", INVARIANCE_LAUNCHES[splits])
     assert got == {"decode_vs_block": 0, "block_sizes": 0, "alone_vs_batch": 0}
 
 
@@ -238,6 +246,30 @@ def test_the_models_attend_alike_through_the_kernel(interpreted, what):
         pytest.skip("the CPU harness in the interpreter; on CUDA the engine's golden check "
                     "(tools/golden_check.py) runs both models through the kernel")
     assert interpreted["models"][what] < 1e-5
+
+
+def kernel_splits(launch: Launch, kv_len: int) -> int:
+    """How many splits the kernels cut kv_len keys into (_adaptive_split's rule)."""
+    if not launch.max_splits:
+        return -(-kv_len // launch.split)
+    split = launch.block_n
+    for _ in range(24):
+        most = (min(split // launch.split_ratio, launch.max_splits) if launch.split_ratio
+                else launch.max_splits)
+        split = split * 2 if split * most < kv_len else split
+    return -(-kv_len // split)
+
+
+@pytest.mark.parametrize("launch", [attention_triton.LAUNCH, ADAPTIVE, RATIO,
+                                    attention_triton.ADAPTIVE_LAUNCH])
+def test_the_partial_results_hold_every_split_of_a_sequence(launch):
+    keys = [1, 63, 64, 65, 300, 1000, 1024, 1025, 4097, 8192, 70000, 131088, 262160]
+    most = 0
+    for n in range(1, max(keys) + 1, 7):
+        most = max(most, kernel_splits(launch, n))
+        for k in keys:
+            if n <= k < n + 7:
+                assert most <= attention_triton.split_bound(launch, k), (launch, k)
 
 
 def test_available_only_where_the_kernels_can_run():
@@ -264,6 +296,6 @@ def test_replays_in_a_cuda_graph_with_new_lengths():
 
 if __name__ == "__main__":  # the interpreter child (triton_child.run)
     print(json.dumps({"errors": triton_child.case_errors(CASES, DTYPES, case_error, "cpu"),
-                      "invariance": {"fixed": invariance("cpu"),
-                                     "adaptive": invariance("cpu", ADAPTIVE)},
+                      "invariance": {name: invariance("cpu", launch)
+                                     for name, launch in INVARIANCE_LAUNCHES.items()},
                       "models": model_differences()}))
