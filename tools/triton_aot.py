@@ -40,7 +40,7 @@ class Variant:
     kernel: str
     signature: dict[str, str]
     constexprs: dict[str, object]
-    options: dict[str, int]
+    options: dict[str, int | bool]
     values: dict[str, int] = field(default_factory=dict)
 
 
@@ -269,7 +269,8 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
     prologue.update({n: I32 for n in strides})
     out.append(Variant("attention prologue (q/k norm, RoPE, K/V write)",
                        "target.kernels.qk_rope_triton", "_qk_norm_rope_kernel", prologue,
-                       {"DIM": 256, "BLOCK_D": 256, "ROTARY": 64}, {"num_warps": 1},
+                       {"DIM": 256, "BLOCK_D": 256, "ROTARY": 64},
+                       {"num_warps": 1, "enable_fp_fusion": False},
                        {"num_q_heads": 16, **strides}))
     return out
 
