@@ -11,7 +11,7 @@ Also the floor: the bytes of K/V read once over the measured bandwidth.
         [--launch SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO]]] ...]
         [--out result.json]
 
-"triton" runs the engine's launch shape (KernelConfig's attention_splits); --launch adds the
+"triton" runs the engine's launch shape (KernelConfig.attention_launch()); --launch adds the
 Triton kernel at each given launch shape (target/kernels/attention_triton.py Launch; the last
 fields max_splits, 0 for the fixed split, and split_ratio, 0 for none) as a form
 "triton_<shape>", to choose the default.

@@ -20,12 +20,6 @@ import torch
 # triton where Triton runs (CUDA), torch elsewhere. Prefill chunks take PyTorch's flash kernels
 # with either.
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
-# The Triton attention's key splits (target/kernels/attention_triton.py Launch): "adaptive"
-# (per sequence, the fewest BLOCK_N·2^j keys that make at most ADAPTIVE_SPLITS splits and
-# split_len² ≥ ADAPTIVE_RATIO · keys: more programs at a short context, where a fixed split
-# leaves one program per kv head walking every key) or "fixed" (the same number of keys per
-# split everywhere).
-ATTENTION_SPLITS = ("adaptive", "fixed")
 # Full attention's prologue (target/layers/attention.py): "triton"
 # (target/kernels/qk_rope_triton.py: the q and k norms, RoPE and the K/V cache writes as one
 # launch per layer) or "torch" (fused.qk_norm_rope, then attention.store_kv's index copies);
@@ -89,7 +83,6 @@ def _triton_or(value: str, name: str, module, device: torch.device | str, other:
 @dataclass(frozen=True)
 class KernelConfig:
     attention: str = "auto"  # ATTENTION_BACKENDS
-    attention_splits: str = "adaptive"  # ATTENTION_SPLITS
     attention_prologue: str = "auto"  # ATTENTION_PROLOGUE
     moe: str = "auto"  # MOE_BACKENDS
     moe_routing: str = "auto"  # MOE_ROUTING
@@ -103,7 +96,6 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         _check("attention_backend", self.attention, ATTENTION_BACKENDS)
-        _check("attention_splits", self.attention_splits, ATTENTION_SPLITS)
         _check("attention_prologue", self.attention_prologue, ATTENTION_PROLOGUE)
         _check("moe_backend", self.moe, MOE_BACKENDS)
         _check("moe_routing", self.moe_routing, MOE_ROUTING)
@@ -127,12 +119,11 @@ class KernelConfig:
         return self.attention
 
     def attention_launch(self):
-        """The Triton attention's launch shape (attention_triton.Launch) for attention_splits."""
+        """The Triton attention's launch shape in the models (attention_triton.ADAPTIVE_LAUNCH:
+        each sequence's keys split by its length, split² ≥ 4 · keys, at most 256 splits)."""
         from target.kernels import attention_triton
 
-        if self.attention_splits == "adaptive":
-            return attention_triton.ADAPTIVE_LAUNCH
-        return attention_triton.LAUNCH
+        return attention_triton.ADAPTIVE_LAUNCH
 
     def attention_prologue_kernel(self, device: torch.device | str) -> str:
         """attention_prologue resolved on this device: "triton" (needs Triton and CUDA, or

@@ -20,15 +20,14 @@
 #            without prefetch), and the torch / Triton prologue and output norm, at decode and
 #            a B = 16 verify and its commit, 1 and 8 sequences
 #   attnsweep bench/round_attention.py: the Triton attention with the engine's adaptive splits
-#            (split² ≥ 4 · keys, at most 128), at most 128 and 32 splits alone, and the fixed
+#            (split² ≥ 4 · keys, at most 256), at most 128 and 32 splits alone, and the fixed
 #            split, at 512 to 128k keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
 #   midctx   bench/engine.py at 8,192 tokens of context, batch 1 and 8, B = 16, in one process:
-#            the default (adaptive) attention splits, then the fixed split, then the defaults
-#            again (where many splits' partial results cost most: wide batches at mid context)
+#            the defaults twice (the same-run spread), where the attention's split rule and the
+#            draft's context attention weigh more than at 512
 #   variants bench/engine.py at batch 1 and 8, B = 16, in one process: the default kernels, then
-#            each kernel variant (VARIANTS, KernelConfig fields; by default the three defaults
-#            taken last: the path before them, then each one reverted alone), then the defaults
-#            again (the same-run spread)
+#            each kernel variant (VARIANTS, KernelConfig fields; by default the two Triton
+#            prologues taken back: both, then each alone), then the defaults again (the spread)
 # Usage: pip download --no-deps -d .whl flash-linear-attention fla-core   (on a machine with pip)
 #        pip download --no-deps dflash==0.1.0 -d .whl   (the tests' reference draft)
 #        OUT=/some/dir bash tools/gpu_fastpath_check.sh [tests profile golden bench]
@@ -107,14 +106,14 @@ attnsweep)  # "triton" is the engine's launch (adaptive splits); the --launch fi
 midctx)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
-    --prompt-len 8192 --iters 5 --warmup 2 --variants attention_splits=fixed moe=auto \
+    --prompt-len 8192 --iters 5 --warmup 2 --variants moe=auto \
     --out "$OUT/engine_midctx.json" 2>&1 | tee "$OUT/engine_midctx.log" \
     | grep -v "falling back" | tail -8 ;;
 variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
     --prompt-len 512 --iters 10 --warmup 3 \
-    --variants ${VARIANTS:-attention_splits=fixed,attention_prologue=torch,gdn_prologue=torch attention_splits=fixed attention_prologue=torch gdn_prologue=torch moe=auto} \
+    --variants ${VARIANTS:-attention_prologue=torch,gdn_prologue=torch attention_prologue=torch gdn_prologue=torch moe=auto} \
     --out "$OUT/engine_variants.json" 2>&1 | tee "$OUT/engine_variants.log" \
     | grep -v "falling back" | tail -12 ;;
 esac; done

@@ -77,11 +77,11 @@ class Launch:
 # H200 (docs/BENCHMARKS.md): against 16-row tiles (8 warps), 32-row ones take 23-25 % less
 # time for a block of 16 queries at 128k keys (1 and 8 sequences) and up to 18 % more for one
 # query (8 sequences; 0.17 against 0.11 ms at 8k). Verify blocks are what a DFlash round runs.
-# LAUNCH splits every sequence's keys 1024 at a time (KernelConfig attention_splits "fixed",
-# and paged_attention's default where no launch is given).
+# LAUNCH splits every sequence's keys 1024 at a time: paged_attention's default where no launch
+# is given (the tests' and benches' fixed-split form; the models take ADAPTIVE_LAUNCH).
 LAUNCH = Launch()
 SPLIT_KEYS = LAUNCH.split
-# KernelConfig attention_splits "adaptive" (the models' default): the same tiles, splits per
+# KernelConfig.attention_launch(), the models' launch: the same tiles, splits per
 # sequence by its length, split_len² ≥ 4 · keys and at most 256 splits: 64 keys a split up to
 # 1k keys (a decode at batch 1 over 2 kv heads runs 16 one-tile programs at 512 keys, where
 # the fixed split has 2 programs walking all 512), 128 up to 4k, 256 up to 16k, 512 up to 64k,

@@ -12,7 +12,6 @@ from target.kernels import fused
 
 
 @pytest.mark.parametrize("field,name", [("attention", "attention_backend"),
-                                        ("attention_splits", "attention_splits"),
                                         ("attention_prologue", "attention_prologue"),
                                         ("moe", "moe_backend"),
                                         ("moe_routing", "moe_routing"),
@@ -123,7 +122,7 @@ def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
 
     target = load_target(str(tiny_demo[0]))
     draft = DFlashDraftModel.from_pretrained(str(tiny_demo[1]))
-    kernels = KernelConfig(moe=moe, gdn_rounds=GDN_ROUNDS[-1], attention_splits="adaptive")
+    kernels = KernelConfig(moe=moe, gdn_rounds=GDN_ROUNDS[-1])
     try:
         target.set_kernels(kernels, graphs=True)
         draft.set_kernels(kernels, graphs=True)

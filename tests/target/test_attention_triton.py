@@ -28,7 +28,7 @@ TOL = {"fp32": 1e-5, "half": 2e-2}
 
 def dtype_on(name: str, device: str) -> torch.dtype:
     return torch.float16 if name == "half" and device == "cpu" else DTYPES[name]
-# attention_splits "adaptive" at a small bound, so that short sequences take several splits
+# the models' adaptive splits at a small bound, so that short sequences take several splits
 # and lengths double it: at most 4 splits of 64·2^j keys
 ADAPTIVE = Launch(max_splits=4)
 # the square-root growth at a small ratio: at most min(8, split / 16) splits, so 64 keys a
@@ -188,7 +188,7 @@ def model_differences() -> dict[str, float]:
         rounds[kind] = torch.cat(h.logits([h.seq(i, b, len(prompts[i]), tables[i], i)
                                            for i, b in enumerate(blocks)], verify=True))
     out["target_round"] = (rounds["triton"] - rounds["reference"]).abs().max().item()
-    for m in h.model.modules():  # attention_splits "adaptive", at the small bound
+    for m in h.model.modules():  # adaptive splits, at the small bound
         if hasattr(m, "triton_launch"):
             m.triton_launch = ADAPTIVE
     adaptive = torch.cat(h.logits([h.seq(i, b, len(prompts[i]), tables[i], i)
