@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="variants whose name contains this")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--attention-launch", nargs="*", default=[],
-                   metavar="SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS]]",
+                   metavar="SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO]]]",
                    help="the attention's kernels at these launch shapes too (as "
                         "bench/round_attention.py --launch takes them)")
     args = p.parse_args(argv)
