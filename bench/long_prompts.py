@@ -22,7 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-import httpx2 as httpx
+try:  # the openai client's own HTTP package: httpx2 in openai ≥ 3, httpx before
+    import httpx2 as httpx
+except ImportError:
+    import httpx
 
 
 def prompt_ids(length: int, vocab: int, seed: int) -> list[int]:

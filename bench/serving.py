@@ -31,7 +31,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import httpx2 as httpx
+try:  # the openai client's own HTTP package: httpx2 in openai ≥ 3, httpx before
+    import httpx2 as httpx
+except ImportError:
+    import httpx
 import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families

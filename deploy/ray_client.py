@@ -68,10 +68,12 @@ def drain_engines(grace_s: float, force: threading.Event | None = None) -> list[
     pending = list(refs)
     while pending and time.monotonic() < deadline and not (force and force.is_set()):
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+    unanswered = ("not waited for: a second signal" if force and force.is_set()
+                  else "no answer before the deadline")
     out = []
     for name, ref in zip(names, refs, strict=True):
         if ref in pending:
-            out.append({"driver": name, "error": "no answer before the deadline"})
+            out.append({"driver": name, "error": unanswered})
             continue
         try:
             out.append({"driver": name, **ray.get(ref)})

@@ -11,7 +11,8 @@
 #            demo's tokenizer), without a draft (AR) and with one (DFlash, B = 16), each measured
 #            by bench/serving.py at concurrency 1 and 8 (512-token prompts, 128 tokens)
 # Usage: the wheels of fla, Ray Serve and the openai client (pip download --no-deps) in
-#        .whl/; the device tool: carry .whl
+#        .whl/; the device tool: carry .whl. bench/serving.py needs the client's own: openai,
+#        httpx2, httpcore2, truststore, jiter, sniffio, h11, distro, prometheus_client
 #        OUT=/some/dir bash tools/gpu_control_plane_check.sh [tests inproc cluster hops serve]
 # (timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SERVE_TIMEOUT seconds; BENCH_ITERS, SERVE_PROMPTS;
 #  SERVE_ONLY=spec skips the AR server)
@@ -43,14 +44,14 @@ serve_and_measure() {  # name, extra serve flags
     --out-dir "$OUT/serving_$name" 2>&1 | tail -8
   curl -s localhost:$port/metrics | grep -E "^dflash_(draft|verify)_time_per_round_seconds_(sum|count)" \
     > "$OUT/metrics_$name.txt"
-  pkill -INT -f "deploy.cli serve"; sleep 10
+  pkill -INT -f "^python3 -m deploy.cli serve"; sleep 10  # not its timeout wrapper, which would pass on a second SIGINT (stop at once)
   grep -v "NCCL INFO" "$OUT/serve_$name.log" | grep -iE "warm-up|error|Traceback" | tail -3
 }
 
 parts=${*:-tests inproc cluster hops serve}
 for part in $parts; do case $part in
 tests)
-  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+  timeout -s INT -k 30 ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
     tests/cluster/test_gpu_cluster.py tests/workers/test_aux_transport.py \
     tests/workers/test_cuda_graphs.py tests/workers/test_channel.py > "$OUT/gpu_tests.txt" 2>&1
   tail -6 "$OUT/gpu_tests.txt" ;;

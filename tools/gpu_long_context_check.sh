@@ -21,13 +21,13 @@ export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 parts=${*:-kernels tests bench serve}
 for part in $parts; do case $part in
 kernels)
-  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+  timeout -s INT -k 30 ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
     tests/target/test_attention_triton.py > "$OUT/gpu_triton_tests.txt" 2>&1
   tail -3 "$OUT/gpu_triton_tests.txt"
   timeout ${ROUND_TIMEOUT:-240} python3 -m bench.round_attention --keys 8192 32768 131072 \
     --out "$OUT/round_attention.json" 2>&1 | tail -12 ;;
 tests)
-  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
+  timeout -s INT -k 30 ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
     tests/target/test_long_context.py > "$OUT/gpu_tests.txt" 2>&1
   tail -3 "$OUT/gpu_tests.txt" ;;
 bench)
@@ -54,6 +54,6 @@ serve)
     --lengths 131072 --max-tokens 16 --vocab 248320 --with-short 4 \
     --out "$OUT/long_prompts_mixed.json"
   curl -s localhost:$port/metrics | grep -E "^dflash_(kv|cache|num_requests)" | head -8
-  pkill -INT -f "deploy.cli serve"; sleep 8
+  pkill -INT -f "^python3 -m deploy.cli serve"; sleep 8  # not its timeout wrapper, which would pass on a second SIGINT (stop at once)
   grep -v "NCCL INFO" "$OUT/serve.log" | grep -iE "error|Traceback|OutOfMemory" | tail -5 ;;
 esac; done

@@ -232,3 +232,42 @@ def test_metrics_export_port_reaches_the_ray_serve_starts(monkeypatch):
     assert "_metrics_export_port" not in calls[-1]
     with pytest.raises(ValueError, match="ray start"):
         cli._init_ray("auto", 1, 9123)
+
+
+def test_drain_reports_a_driver_it_stopped_waiting_for(monkeypatch):
+    """drain_engines calls every named driver's drain; one that never answers is reported as
+    unanswered by the deadline, or, when a second signal cut the wait, as not waited for."""
+    import threading
+
+    import ray
+
+    from deploy import ray_client
+
+    class Method:
+        def __init__(self, ref):
+            self.ref = ref
+
+        def remote(self, grace_s):
+            return self.ref
+
+    class Driver:
+        def __init__(self, ref):
+            self.drain = Method(ref)
+
+    done, stuck = object(), object()
+    actors = {"dflash-driver-a": Driver(done), "dflash-driver-b": Driver(stuck)}
+    monkeypatch.setattr(ray.util, "list_named_actors", lambda all_namespaces: [
+        {"name": n, "namespace": "x"} for n in [*actors, "other"]])
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace: actors[name])
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (
+        [r for r in refs if r is done], [r for r in refs if r is stuck]))
+    monkeypatch.setattr(ray, "get", lambda ref: {"in_flight": 1, "finished": 1, "stopped": 0})
+    monkeypatch.setattr(ray_client, "DRAIN_MARGIN_S", 0.3)
+    answered = {"driver": "dflash-driver-a", "in_flight": 1, "finished": 1, "stopped": 0}
+    assert ray_client.drain_engines(0.0) == [
+        answered, {"driver": "dflash-driver-b", "error": "no answer before the deadline"}]
+    force = threading.Event()
+    force.set()
+    assert ray_client.drain_engines(30.0, force) == [
+        {"driver": "dflash-driver-a", "error": "not waited for: a second signal"},
+        {"driver": "dflash-driver-b", "error": "not waited for: a second signal"}]
