@@ -1,6 +1,6 @@
 """The Gated DeltaNet's round kernels at decode and verify sizes: the in-place recurrence by slot
 (target/kernels/gdn_slots.py) at several launch shapes (SlotsLaunch: value columns per
-program, warps, prefetch of the next token's inputs), the prologue before it (the conv by
+program, warps), the prologue before it (the conv by
 slot, head split, q/k norms and gates) and the gated output norm after it, each as the
 compiled torch chain against its Triton kernel (target/kernels/gdn_prologue.py). µs per call
 in CUDA-graph replay (how the engine runs a round), next to the floor: the bytes a call must
@@ -41,9 +41,8 @@ from bench.timing import graphed, median_p90, sample_times
 
 REAL = dict(hk=16, hv=32, dk=128, dv=128, kernel=4)
 SMALL = dict(hk=2, hv=4, dk=16, dv=16, kernel=4)
-# (block_v, warps, prefetch); the first is gdn_slots.LAUNCH.
-SHAPES = [(32, 4, False), (32, 4, True), (16, 4, False), (16, 4, True), (16, 2, False),
-          (16, 2, True), (8, 1, False), (8, 1, True), (64, 8, False), (64, 8, True)]
+# (block_v, warps); the first is gdn_slots.LAUNCH.
+SHAPES = [(32, 4), (16, 4), (16, 2), (8, 1), (64, 8)]
 POOL_BYTES = 256 << 20  # the states one sample touches: five times the H200's L2
 PREFILL_TOKENS = 8192  # the engine's default max_num_batched_tokens
 
@@ -217,8 +216,7 @@ def bench_round(sizes: dict, n_seqs: int, width: int, device: torch.device, iter
             err = max(rel_err(a, b) for a, b in zip(result, results[0], strict=True))
             us = time_calls([recurrence_call(layer, step, SlotsLaunch(*shape))
                              for layer in layers], device, iters)
-            rows.append(row("recurrence", step, "x".join(map(str, shape[:2]))
-                            + ("p" if shape[2] else ""), us, err))
+            rows.append(row("recurrence", step, "x".join(map(str, shape)), us, err))
         if step == "commit":
             continue
         for kind in ("torch", "triton"):

@@ -3,7 +3,8 @@
 # under $OUT:
 #   tests    every `gpu` test of the engine (kernels against their references, CUDA graphs)
 #   kernels  the Triton kernels' interpreter tests, here on CUDA (against their references; the
-#            bits: a token alone = in a batch, a block = its tokens one by one, prefetch = none)
+#            bits: a token alone = in a batch, a block = its tokens one by one, the pair
+#            GEMVs' prefetch = none)
 #   moetests the routed-expert and routing tests alone, and the pair / sorted kernels' bf16
 #            consistency at real sizes (alone vs batched; against grouped / pairs)
 #   profile  bench/profile_step.py at batch 1 (CUDA graphs; PROFILE_VARIANT: KernelConfig fields
@@ -16,8 +17,8 @@
 #            1-128 tokens (MOE_ARGS: more arguments, e.g. "--kinds pair --tokens 1 2 4")
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
-#   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at ten launch shapes (with and
-#            without prefetch), and the torch / Triton prologue and output norm, at decode and
+#   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
+#            torch / Triton prologue and output norm, at decode and
 #            a B = 16 verify and its commit, 1 and 8 sequences
 #   attnsweep bench/round_attention.py: the Triton attention with the engine's adaptive splits
 #            (split² ≥ 4 · keys, at most 256), at most 128 and 32 splits alone, and the fixed
@@ -48,7 +49,8 @@ tests)
   tail -12 "$OUT/gpu_tests.txt" ;;
 kernels)  # the Triton kernels' tests that run in the interpreter on CPU, here on CUDA: each
   # kernel against its reference, and the bits (alone = in a batch, a block = its tokens
-  # decoded one by one, prefetch = none) at the real dtypes, where launch shapes set the order
+  # decoded one by one, the pairs' prefetch = none) at the real dtypes, where launch shapes
+  # set the order
   timeout -s INT -k 30 ${TESTS_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
     --tb=short -m "not gpu" tests/target/test_attention_triton.py \
     tests/target/test_gdn_slots.py tests/target/test_gdn_prologue.py \

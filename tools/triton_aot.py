@@ -137,13 +137,10 @@ def _gdn_variants() -> list[Variant]:
             dims = ("n", "h", "k", "v")
         sig.update({f"stride_{prefix}{d}": I32 for d in dims})
     out = []
-    # the default launch shape, and the prefetching ones bench/gdn_kernel.py sweeps
-    launches = [gdn_slots.LAUNCH] + [gdn_slots.SlotsLaunch(*shape) for shape in (
-        (32, 4, True), (16, 2, True), (8, 1, True))]
-    steps = (("decode", 1, False, True, True), ("verify", 16, False, False, True),
-             ("commit", 16, True, True, False))
-    for (label, length, kept, write, need), launch in ((step, launch) for launch in launches
-                                                        for step in steps):
+    launch = gdn_slots.LAUNCH
+    for label, length, kept, write, need in (("decode", 1, False, True, True),
+                                             ("verify", 16, False, False, True),
+                                             ("commit", 16, True, True, False)):
         # q, k [S, L, 16, 128] contiguous; v a view of the conv output (8192 channels per
         # token); g, β [S, L, 32]; the cache [N, 32, 128, 128]; o [S, L, 32, 128]
         qk = {"s": length * 2048, "t": 2048, "h": 128, "d": 1}
@@ -160,15 +157,10 @@ def _gdn_variants() -> list[Variant]:
                              (32 * 128 * 128, 128 * 128, 128, 1), strict=True)),
                   **dict(zip(("stride_os", "stride_ot", "stride_oh", "stride_od"),
                              (length * 4096, 4096, 128, 1), strict=True))}
-        if launch.prefetch and length == 1:
-            continue  # recurrent_slots launches a decode without prefetch
-        shape = "" if launch == gdn_slots.LAUNCH else (
-            f" {launch.block_v}x{launch.warps}" + ("p" if launch.prefetch else ""))
-        out.append(Variant(f"gdn slots {label}{shape}", "target.kernels.gdn_slots",
+        out.append(Variant(f"gdn slots {label}", "target.kernels.gdn_slots",
                            "_recurrent_slots_kernel", sig,
                            {"DK": 128, "BLOCK_V": launch.block_v, "HAS_KEPT": kept,
-                            "WRITE_STATE": write, "NEED_OUTPUT": need,
-                            "PREFETCH": launch.prefetch},
+                            "WRITE_STATE": write, "NEED_OUTPUT": need},
                            {"num_warps": launch.warps}, values))
     conv = {"Seq": "*bf16", "Cache": "*bf16", "Slots": "*i64", "Kept": "*i64",
             "n_fixed": I32, "channels": I32}

@@ -35,11 +35,6 @@ batch, whatever the other sequences are, and a decode, a verify and the commit a
 the same arithmetic per token. No host sync and nothing read back, so a round captures in a
 CUDA graph with its slots and kept counts in device tensors.
 
-Per token the loop's only dependence is the state: its inputs (k, v, q, g, β) are known
-before the loop starts. With SlotsLaunch.prefetch each step issues the next token's loads
-before its own arithmetic, so a verify's L tokens wait on one load latency instead of L
-(the same arithmetic in the same order: the same bits).
-
 Triton is optional, as in moe_triton.py: without it `recurrent_slots_available` is False and
 CPU callers take `recurrent_slots_reference` (plain torch, same signature and meaning). On CPU
 tensors the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1 set before triton is
@@ -63,21 +58,15 @@ except ImportError:  # CPU-only installs
 @dataclass(frozen=True)
 class SlotsLaunch:
     """The recurrence's launch shape: `block_v` value columns per program (a [Dk, block_v]
-    fp32 state tile in registers), `warps` per program; `prefetch`: each token's step issues
-    the next token's loads before its own arithmetic (the same bits)."""
+    fp32 state tile in registers), `warps` per program."""
 
     block_v: int = 32
     warps: int = 4
-    prefetch: bool = False
 
 
 # Dk = Dv = 128 on the real model: a [128, 32] fp32 tile is 32 registers per thread at 4 warps,
-# and S·Hv·4 = 128·S programs (decode at batch 1 about fills an H200's 132 SMs). In
-# bench/gdn_kernel.py's sweep on the H200 prefetch cut a 16-token verify's time by a third,
-# but its bf16 batch-8 verify at real sizes differed from the plain shape's (relative 6e-7),
-# where the bit tests (fp32, small sizes; in the interpreter and on CUDA) give the same bits.
-# A decode launches without it, so it stays off until a bf16 bit test at real sizes passes
-# (docs/BENCHMARKS.md). Other tile widths change the bits and won only at some sizes.
+# and S·Hv·4 = 128·S programs (decode at batch 1 about fills an H200's 132 SMs). Other tile
+# widths change the bits and won only at some sizes (docs/BENCHMARKS.md).
 LAUNCH = SlotsLaunch()
 # commit_conv's channels per program (8192 channels on the real model: 8 programs a sequence).
 CONV_BLOCK = 1024
@@ -124,13 +113,12 @@ def recurrent_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     slots = slots.contiguous()  # read as slots_ptr + s
     kept = slots if num_kept is None else num_kept.contiguous()  # (unread without num_kept)
     out, out_strides = (o, o.stride()) if need_output else (v, (0, 0, 0, 0))  # (unwritten)
-    prefetch = launch.prefetch and length > 1  # one token: nothing to fetch ahead (same bits)
     _recurrent_slots_kernel[(n_seqs * v_heads, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state_cache, slots, kept, out, length, v_heads, v_heads // k_heads, dv,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state_cache.stride(), *out_strides,
         DK=dk, BLOCK_V=block_v, HAS_KEPT=num_kept is not None, WRITE_STATE=write_state,
-        NEED_OUTPUT=need_output, PREFETCH=prefetch, num_warps=launch.warps)
+        NEED_OUTPUT=need_output, num_warps=launch.warps)
     return o
 
 
@@ -209,18 +197,14 @@ if triton is not None:
         tl.store(o_at, o.to(o_at.dtype.element_ty), mask=col_ok)
 
     @triton.jit
-    def _token_inputs(q_row, k_row, v_row, g_at, b_at, t, ok, col_ok, stride_qt, stride_kt,
-                      stride_vt, stride_gt, stride_bt, WITH_Q: tl.constexpr):
-        """Token t's k [DK], v [BLOCK_V], g, β and (WITH_Q) q [DK], fp32; `ok` False: zeros,
-        nothing read (the step past the last token)."""
-        kt = tl.load(k_row + t * stride_kt, mask=ok, other=0.0).to(tl.float32)
-        vt = tl.load(v_row + t * stride_vt, mask=col_ok & ok, other=0.0).to(tl.float32)
-        gt = tl.load(g_at + t * stride_gt, mask=ok, other=0.0).to(tl.float32)
-        bt = tl.load(b_at + t * stride_bt, mask=ok, other=0.0).to(tl.float32)
-        qt = kt
-        if WITH_Q:
-            qt = tl.load(q_row + t * stride_qt, mask=ok, other=0.0).to(tl.float32)
-        return kt, vt, gt, bt, qt
+    def _token_inputs(k_row, v_row, g_at, b_at, t, col_ok, stride_kt, stride_vt, stride_gt,
+                      stride_bt):
+        """Token t's k [DK], v [BLOCK_V] (masked columns 0), g and β, fp32."""
+        kt = tl.load(k_row + t * stride_kt).to(tl.float32)
+        vt = tl.load(v_row + t * stride_vt, mask=col_ok, other=0.0).to(tl.float32)
+        gt = tl.load(g_at + t * stride_gt).to(tl.float32)
+        bt = tl.load(b_at + t * stride_bt).to(tl.float32)
+        return kt, vt, gt, bt
 
     @triton.jit
     def _step(s, kt, vt, gt, bt):
@@ -243,7 +227,7 @@ if triton is not None:
             stride_cn, stride_ch, stride_ck, stride_cv,
             stride_os, stride_ot, stride_oh, stride_od,
             DK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_KEPT: tl.constexpr,
-            WRITE_STATE: tl.constexpr, NEED_OUTPUT: tl.constexpr, PREFETCH: tl.constexpr):
+            WRITE_STATE: tl.constexpr, NEED_OUTPUT: tl.constexpr):
         pid = tl.program_id(0)
         seq = (pid // v_heads).to(tl.int64)
         head = pid % v_heads
@@ -265,28 +249,13 @@ if triton is not None:
         g_at = g_ptr + seq * stride_gs + head * stride_gh
         b_at = beta_ptr + seq * stride_bs + head * stride_bh
         o_row = o_ptr + seq * stride_os + head * stride_oh + cols * stride_od
-        if PREFETCH:  # token t's inputs were loaded during step t − 1
-            kt, vt, gt, bt, qt = _token_inputs(q_row, k_row, v_row, g_at, b_at, 0, n > 0,
-                                               col_ok, stride_qt, stride_kt, stride_vt,
-                                               stride_gt, stride_bt, NEED_OUTPUT)
-            for t in range(0, n):
-                kn, vn, gn, bn, qn = _token_inputs(q_row, k_row, v_row, g_at, b_at, t + 1,
-                                                   t + 1 < n, col_ok, stride_qt, stride_kt,
-                                                   stride_vt, stride_gt, stride_bt,
-                                                   NEED_OUTPUT)
-                s = _step(s, kt, vt, gt, bt)
-                if NEED_OUTPUT:
-                    _emit(s, qt, o_row + t * stride_ot, col_ok)
-                kt, vt, gt, bt, qt = kn, vn, gn, bn, qn
-        else:  # (q loaded after the step: fewer registers live across it)
-            for t in range(0, n):
-                kt, vt, gt, bt, _ = _token_inputs(q_row, k_row, v_row, g_at, b_at, t, True,
-                                                  col_ok, stride_qt, stride_kt, stride_vt,
-                                                  stride_gt, stride_bt, False)
-                s = _step(s, kt, vt, gt, bt)
-                if NEED_OUTPUT:
-                    qt = tl.load(q_row + t * stride_qt).to(tl.float32)
-                    _emit(s, qt, o_row + t * stride_ot, col_ok)
+        for t in range(0, n):  # (q loaded after the step: fewer registers live across it)
+            kt, vt, gt, bt = _token_inputs(k_row, v_row, g_at, b_at, t, col_ok, stride_kt,
+                                           stride_vt, stride_gt, stride_bt)
+            s = _step(s, kt, vt, gt, bt)
+            if NEED_OUTPUT:
+                qt = tl.load(q_row + t * stride_qt).to(tl.float32)
+                _emit(s, qt, o_row + t * stride_ot, col_ok)
         if NEED_OUTPUT:
             if HAS_KEPT:  # past the kept tokens the state stands still: o = Sᵀq only
                 for t in range(n, length):

@@ -6,8 +6,8 @@ verify leaves the whole cache bit-unchanged, write_state changes only the given 
 count of 0 leaves its slot bit-unchanged and the others equal the reference run over their
 first n tokens only; need_output=False returns None and still writes. A sequence's output and
 final state are the same bits alone and inside the batch, and a block's tokens the same bits
-as the same tokens decoded one by one; each launch shape (SlotsLaunch) passes the cases, and a
-prefetching shape gives its plain shape's bits. The torch reference
+as the same tokens decoded one by one; each launch shape (SlotsLaunch) passes the cases. The
+torch reference
 (recurrent_slots_reference) is checked the same way in plain torch. On CUDA also at the real
 sizes, without a host sync, and replayed in a CUDA graph with new slots and kept counts.
 
@@ -52,10 +52,8 @@ CASES = {
     "commit": (6, 2, 4, 16, 16, [0, 3, 6], True, False),  # the commit's replay
 }
 # The launch shapes the cases run at (bench/gdn_kernel.py sweeps these and more): the default,
-# the same with prefetch, and narrower tiles with fewer warps.
-LAUNCHES = {"default": LAUNCH, "prefetch": SlotsLaunch(LAUNCH.block_v, LAUNCH.warps, True),
-            "narrow": SlotsLaunch(16, 2), "narrow_prefetch": SlotsLaunch(16, 2, True),
-            "warp": SlotsLaunch(8, 1), "warp_prefetch": SlotsLaunch(8, 1, True)}
+# and narrower tiles with fewer warps.
+LAUNCHES = {"default": LAUNCH, "narrow": SlotsLaunch(16, 2), "warp": SlotsLaunch(8, 1)}
 
 
 def problem(n_seqs, length, hk, hv, dk, dv, dtype, device="cpu", seed=0,
@@ -152,19 +150,19 @@ def consistency(device: str) -> dict[str, bool]:
 def block_vs_decode(device: str) -> dict[str, int]:
     """Per launch shape: the elements (outputs and final states) where a block — a verify's
     outputs, then the commit of all its tokens — differs from the same tokens decoded one by
-    one, each decode writing its state; and for each prefetching shape, those where it
-    differs from its plain shape. bf16 and the real model's Dk on CUDA (where the launch
-    shape decides the reductions' order); smaller in the interpreter, which is slow."""
+    one, each decode writing its state. bf16 and the real model's Dk on CUDA (where the
+    launch shape decides the reductions' order); smaller and at the default shape alone in
+    the interpreter, which is slow."""
     launches = LAUNCHES
     if device == "cuda":
         dtype, length, dk, dv = torch.bfloat16, 16, 128, 48
     else:  # (the interpreter's numpy has no bf16; its bits do not depend on the tiling)
         dtype, length, dk, dv = torch.float16, 5, 32, 32
-        launches = {name: LAUNCHES[name] for name in ("default", "prefetch")}
+        launches = {"default": LAUNCH}
     q, k, v, g, beta, cache = problem(3, length, 2, 4, dk, dv, dtype, device, seed=2)
     slots = torch.tensor(SLOTS, device=device)
     kept = torch.full((3,), length, device=device)
-    out, runs = {}, {}
+    out = {}
     for name, launch in launches.items():
         block_cache, step_cache = cache.clone(), cache.clone()
         block = recurrent_slots(q, k, v, g, beta, block_cache, slots, launch=launch)
@@ -175,13 +173,6 @@ def block_vs_decode(device: str) -> dict[str, int]:
                                            slots, write_state=True, launch=launch)
                            for t in range(q.shape[1])], dim=1)
         out[name] = int((block != steps).sum() + (block_cache != step_cache).sum())
-        runs[name] = (block, block_cache)
-    for name, launch in launches.items():
-        if launch.prefetch:
-            plain = next(n for n, la in launches.items()
-                         if la == SlotsLaunch(launch.block_v, launch.warps))
-            out[f"{name} vs {plain}"] = sum(int((a != b).sum()) for a, b in
-                                            zip(runs[name], runs[plain], strict=True))
     return out
 
 
@@ -210,14 +201,13 @@ interpreted, errors = triton_child.fixtures(__file__, case_error)
 
 
 def launch_cases() -> list[tuple[str, str]]:
-    """(case@launch, dtype): every case at the default shape; with prefetch the cases whose
-    loops it changes (a block, kept counts, the commit); at the other tile widths a partial
-    value tile. fp32 past the default: the interpreter is slow, and the launch shape changes
-    only the tiling and, on a GPU, the order of the reductions (block_vs_decode's bits)."""
+    """(case@launch, dtype): every case at the default shape; at the other tile widths a
+    partial value tile. fp32 past the default: the interpreter is slow, and the launch shape
+    changes only the tiling and, on a GPU, the order of the reductions (block_vs_decode's
+    bits)."""
     out = [(f"{name}@default", dtype) for name in CASES for dtype in DTYPES]
-    out += [(f"{name}@prefetch", "fp32") for name in ("verify", "kept", "commit")]
     return out + [(f"partial_tiles@{launch}", "fp32") for launch in LAUNCHES
-                  if launch not in ("default", "prefetch")]
+                  if launch != "default"]
 
 
 @needs_triton
@@ -231,10 +221,9 @@ def test_kernel_equals_the_per_sequence_reference(errors, name, dtype):
 @needs_triton
 def test_a_block_gets_the_bits_of_its_tokens_decoded_one_by_one(interpreted):
     """What makes speculative decoding equal plain decoding through this kernel: a verify's
-    outputs and its commit's states are a decode's, bit for bit, at every launch shape; and
-    prefetching changes no bit."""
+    outputs and its commit's states are a decode's, bit for bit, at every launch shape."""
     got = interpreted["block_vs_decode"] if interpreted is not None else block_vs_decode("cuda")
-    assert "prefetch vs default" in got and not any(got.values()), got
+    assert "default" in got and not any(got.values()), got
 
 
 @needs_triton
