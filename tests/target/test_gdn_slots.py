@@ -7,9 +7,9 @@ count of 0 leaves its slot bit-unchanged and the others equal the reference run 
 first n tokens only; need_output=False returns None and still writes. A sequence's output and
 final state are the same bits alone and inside the batch, and a block's tokens the same bits
 as the same tokens decoded one by one; each launch shape (SlotsLaunch) passes the cases. The
-torch reference
-(recurrent_slots_reference) is checked the same way in plain torch. On CUDA also at the real
-sizes, without a host sync, and replayed in a CUDA graph with new slots and kept counts.
+torch reference (recurrent_slots_reference) is checked the same way in plain torch. On CUDA
+also at the real sizes, without a host sync, and replayed in a CUDA graph with new slots and
+kept counts.
 
 Without CUDA the kernel cases run in Triton's interpreter in one child process, this file run
 as a script (tests/target/triton_child.py says why)."""
