@@ -1,10 +1,10 @@
 """The Gated DeltaNet's round kernels at decode and verify sizes: the in-place recurrence by slot
 (target/kernels/gdn_slots.py) at several launch shapes (SlotsLaunch: value columns per
-program, warps), the prologue before it (the conv by
-slot, head split, q/k norms and gates) and the gated output norm after it, each as the
-compiled torch chain against its Triton kernel (target/kernels/gdn_prologue.py). µs per call
-in CUDA-graph replay (how the engine runs a round), next to the floor: the bytes a call must
-move at the bandwidth of a device copy measured in the same run.
+program, warps), the prologue before it (the conv by slot, head split, q/k norms and gates)
+and the gated output norm after it, each as the compiled torch chain against its Triton
+kernel (target/kernels/gdn_prologue.py). µs per call in CUDA-graph replay (how the engine
+runs a round), next to the floor: the bytes a call must move at the bandwidth of a device
+copy measured in the same run.
 
     python -m bench.gdn_kernel --device cuda --out gdn_kernel.json
     python -m bench.gdn_kernel --device cpu --small   # smoke check (Triton interpreter)

@@ -18,8 +18,8 @@
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
-#            torch / Triton prologue and output norm, at decode and
-#            a B = 16 verify and its commit, 1 and 8 sequences
+#            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
+#            commit, 1 and 8 sequences
 #   attnsweep bench/round_attention.py: the Triton attention with the engine's adaptive splits
 #            (split² ≥ 4 · keys, at most 256), at most 128 and 32 splits alone, and the fixed
 #            split, at 512 to 128k keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
