@@ -8,7 +8,8 @@
 #   moetests the routed-expert and routing tests alone, and the pair / sorted kernels' bf16
 #            consistency at real sizes (alone vs batched; against grouped / pairs)
 #   profile  bench/profile_step.py at batch 1 (CUDA graphs; PROFILE_VARIANT: KernelConfig fields
-#            over the defaults, e.g. "gdn_prologue=triton", written to profile_b1_variant.txt)
+#            over the defaults, e.g. "gdn_prologue=triton", written to profile_b1_variant.txt;
+#            PROFILE_ARGS: more arguments, e.g. "--prompt-len 131072")
 #   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts)
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
 #   nofuse   the same without the compiled elementwise chains (--no-fuse), B = 16, no baseline
@@ -77,7 +78,8 @@ print(json.dumps({name: {t: m.consistency('cuda', t, 8, 256, 2048, 512) for t in
 profile)  # batch 1, CUDA graphs
   timeout ${PROFILE_TIMEOUT:-150} python3 -m bench.profile_step --device cuda --batch 1 \
     --block-size 16 --out "$OUT/profile_b1${PROFILE_VARIANT:+_variant}.txt" \
-    ${PROFILE_VARIANT:+--variant $PROFILE_VARIANT} 2>&1 | grep -E '^\{|Error|error' | tail -5 ;;
+    ${PROFILE_VARIANT:+--variant $PROFILE_VARIANT} ${PROFILE_ARGS:-} 2>&1 \
+    | grep -E '^\{|Error|error' | tail -5 ;;
 golden)
   for dtype in ${GOLDEN_DTYPES:-float32 bfloat16}; do
     timeout ${GOLDEN_TIMEOUT:-150} python3 -m tools.golden_check --model tests/assets/tiny/target \
