@@ -225,7 +225,8 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
     sizes = {"width": 16, "n_heads": 16, "n_tokens": 16, "window": 0}
     out = []
     extra = [(f" {la.split},{la.block_m},{la.block_n},{la.warps},{la.stages},"
-              f"{la.merge_chunk},{la.max_splits},{la.split_ratio}", la) for la in launches]
+              f"{la.merge_chunk},{la.max_splits},{la.split_ratio},{int(la.prefetch)}", la)
+             for la in launches]
     for name, launch in (("", attention_triton.LAUNCH),
                          (", adaptive", attention_triton.ADAPTIVE_LAUNCH), *extra):
         out += [
@@ -235,7 +236,7 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
                      "BLOCK_N": launch.block_n, "SPLIT": launch.split,
                      "MAX_SPLITS": launch.max_splits, "RATIO": launch.split_ratio,
                      "CAUSAL": True, "WINDOWED": False,
-                     "IEEE": False},
+                     "IEEE": False, "PREFETCH": launch.prefetch},
                     {"num_warps": launch.warps, "num_stages": launch.stages},
                     {**sizes, "stride_qt": 4096, "stride_qh": 256, "stride_kb": 8192,
                      "stride_kp": 512, "stride_kh": 256, "stride_vb": 8192, "stride_vp": 512,
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="variants whose name contains this")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--attention-launch", nargs="*", default=[],
-                   metavar="SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO]]]",
+                   metavar="SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO[,PREFETCH]]]]",
                    help="the attention's kernels at these launch shapes too (as "
                         "bench/round_attention.py --launch takes them)")
     args = p.parse_args(argv)

@@ -54,7 +54,9 @@ except ImportError:  # CPU-only installs
 @dataclass(frozen=True)
 class Launch:
     """The launch shape: `split` keys per split program, `block_m` rows and `block_n` keys per
-    step, `warps` and `stages` of the split kernel; `merge_chunk` splits per merge step."""
+    step, `warps` and `stages` of the split kernel; `merge_chunk` splits per merge step;
+    `prefetch`: each step reads the next tile's page numbers, K and V before its own
+    arithmetic (the same arithmetic in the same order)."""
 
     split: int = 1024
     block_m: int = 32
@@ -71,6 +73,7 @@ class Launch:
     # grows as the square root of the key count (split_len² ≥ split_ratio · keys), so a wide
     # batch at mid context is not cut into max_splits partial results of a few keys each.
     split_ratio: int = 0
+    prefetch: bool = False
 
 
 # The tiles both launches below use, from the sweep of bench/round_attention.py --launch on the
@@ -123,6 +126,62 @@ if triton is not None:
         return split
 
     @triton.jit
+    def _pages(Tables, s, k0, hi, stride_tb, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The page of each key k0 … k0 + BLOCK_N of sequence s (0, unread, at and past hi)."""
+        keys = k0 + tl.arange(0, BLOCK_N)
+        # int64: page · stride_kb passes 2^31 elements in a large pool (the scratch pages
+        # of captured graphs sit at its top)
+        return tl.load(Tables + s * stride_tb + keys // PAGE, mask=keys < hi,
+                       other=0).to(tl.int64)
+
+    @triton.jit
+    def _kv_tile(K, V, page, k0, hi, kvh, d, d_ok, stride_kb, stride_kp, stride_kh,
+                 stride_vb, stride_vp, stride_vh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Keys k0 … k0 + BLOCK_N of kv head kvh in their pages (_pages): K and V
+        [BLOCK_N, BLOCK_D], zero (and nothing read) at and past `hi`."""
+        keys = k0 + tl.arange(0, BLOCK_N)
+        k_ok = keys < hi
+        off = keys % PAGE
+        kv_ok = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + page[:, None] * stride_kb + off[:, None] * stride_kp
+                    + kvh * stride_kh + d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(V + page[:, None] * stride_vb + off[:, None] * stride_vp
+                    + kvh * stride_vh + d[None, :], mask=kv_ok, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _attend(q, k, v, k0, hi, q_pos, row_ok, m_i, l_i, acc, scale, window,
+                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+                IEEE: tl.constexpr):
+        """One step of the online softmax over keys k0 … k0 + BLOCK_N (K and V tiles k, v):
+        the rows' running max m_i, sum l_i and output acc, updated."""
+        keys = k0 + tl.arange(0, BLOCK_N)
+        k_ok = keys < hi
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        seen = k_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            seen = seen & (keys[None, :] <= q_pos[:, None])
+        if WINDOWED:
+            seen = seen & (q_pos[:, None] - keys[None, :] < window)
+            if not CAUSAL:
+                seen = seen & (keys[None, :] - q_pos[:, None] < window)
+        qk = tl.where(seen, qk * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        alpha = tl.exp(m_i - shift)
+        p = tl.exp(qk - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i, acc
+
+    @triton.jit
     def _split_kernel(Q, K, V, Tables, QFirst, KvLens, Acc, Stat,
                       stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
                       stride_vb, stride_vp, stride_vh, stride_tb,
@@ -130,7 +189,7 @@ if triton is not None:
                       PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                       MAX_SPLITS: tl.constexpr, RATIO: tl.constexpr, CAUSAL: tl.constexpr,
-                      WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+                      WINDOWED: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr):
         tile, split, sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_kv = n_heads // group
         s, kvh = sk // n_kv, sk % n_kv
@@ -165,41 +224,26 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for k0 in range(start, hi, BLOCK_N):
-            keys = k0 + tl.arange(0, BLOCK_N)
-            k_ok = keys < hi
-            # int64: page · stride_kb passes 2^31 elements in a large pool (the scratch pages
-            # of captured graphs sit at its top)
-            page = tl.load(Tables + s * stride_tb + keys // PAGE, mask=k_ok, other=0).to(tl.int64)
-            off = keys % PAGE
-            kv_ok = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + page[:, None] * stride_kb + off[:, None] * stride_kp
-                        + kvh * stride_kh + d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(V + page[:, None] * stride_vb + off[:, None] * stride_vp
-                        + kvh * stride_vh + d[None, :], mask=kv_ok, other=0.0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            seen = k_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                seen = seen & (keys[None, :] <= q_pos[:, None])
-            if WINDOWED:
-                seen = seen & (q_pos[:, None] - keys[None, :] < window)
-                if not CAUSAL:
-                    seen = seen & (keys[None, :] - q_pos[:, None] < window)
-            qk = tl.where(seen, qk * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-            alpha = tl.exp(m_i - shift)
-            p = tl.exp(qk - shift[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        if PREFETCH:  # while tile i is used: tile i + 1's K and V, tile i + 2's pages
+            page = _pages(Tables, s, start, hi, stride_tb, PAGE, BLOCK_N)
+            k, v = _kv_tile(K, V, page, start, hi, kvh, d, d_ok, stride_kb, stride_kp,
+                            stride_kh, stride_vb, stride_vp, stride_vh, PAGE, BLOCK_N)
+            page = _pages(Tables, s, start + BLOCK_N, hi, stride_tb, PAGE, BLOCK_N)
+            for k0 in range(start, hi, BLOCK_N):
+                page_next = _pages(Tables, s, k0 + 2 * BLOCK_N, hi, stride_tb, PAGE, BLOCK_N)
+                k_next, v_next = _kv_tile(K, V, page, k0 + BLOCK_N, hi, kvh, d, d_ok,
+                                          stride_kb, stride_kp, stride_kh, stride_vb,
+                                          stride_vp, stride_vh, PAGE, BLOCK_N)
+                m_i, l_i, acc = _attend(q, k, v, k0, hi, q_pos, row_ok, m_i, l_i, acc, scale,
+                                        window, BLOCK_N, CAUSAL, WINDOWED, IEEE)
+                k, v, page = k_next, v_next, page_next
+        else:
+            for k0 in range(start, hi, BLOCK_N):
+                page = _pages(Tables, s, k0, hi, stride_tb, PAGE, BLOCK_N)
+                k, v = _kv_tile(K, V, page, k0, hi, kvh, d, d_ok, stride_kb, stride_kp,
+                                stride_kh, stride_vb, stride_vp, stride_vh, PAGE, BLOCK_N)
+                m_i, l_i, acc = _attend(q, k, v, k0, hi, q_pos, row_ok, m_i, l_i, acc, scale,
+                                        window, BLOCK_N, CAUSAL, WINDOWED, IEEE)
 
         # Acc [n_splits, T, Hq, D], Stat [n_splits, 2, T, Hq] (m, l), fp32
         at = (split * n_tokens + token) * n_heads + head
@@ -310,8 +354,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale, width, group, rows, n_heads, n_tokens, win,
         PAGE=page, D=dim, BLOCK_D=block_d, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         SPLIT=launch.split, MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio,
-        CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee, num_warps=launch.warps,
-        num_stages=launch.stages)
+        CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee, PREFETCH=launch.prefetch,
+        num_warps=launch.warps, num_stages=launch.stages)
     _merge_kernel[(n_tokens * n_heads,)](
         acc, stat, q_first, kv_lens, out, lse, out.stride(0), out.stride(1),
         width, n_heads, n_tokens, win,

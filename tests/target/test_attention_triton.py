@@ -3,7 +3,8 @@ per-query fp64 reference: decode, verify blocks, several splits, the draft's non
 windowed blocks with their log-sum-exp, head dims that are not powers of two; pages out of
 order, stale NaN past each sequence's keys. Also: a query's result is the same bits alone
 (decode) as inside a block and whatever the other sequences are (what keeps speculative
-decoding equal to target-only decoding). On CUDA also inside a CUDA graph.
+decoding equal to target-only decoding), and the same bits with Launch.prefetch as without.
+On CUDA also inside a CUDA graph.
 
 Without CUDA the cases run in Triton's interpreter in one child process, this file run as a
 script (tests/target/triton_child.py says why)."""
@@ -34,6 +35,9 @@ ADAPTIVE = Launch(max_splits=4)
 # the square-root growth at a small ratio: at most min(8, split / 16) splits, so 64 keys a
 # split up to 256 keys, 128 up to 1024, then 8 splits at most
 RATIO = Launch(max_splits=8, split_ratio=16)
+# the same, each step reading the next tile's pages, K and V before its arithmetic
+RATIO_PREFETCH = Launch(max_splits=8, split_ratio=16, prefetch=True)
+ADAPTIVE_PREFETCH = Launch(max_splits=4, prefetch=True)
 # name: (context lengths before the queries, W, Hq, Hkv, D, page, causal, window[, launch])
 CASES = {
     "decode": ([5, 17, 64], 1, 8, 2, 16, 4, True, None),
@@ -51,6 +55,9 @@ CASES = {
     "adaptive_window": ([900], 2, 2, 1, 16, 64, False, 300, ADAPTIVE),
     # 200 keys in 4 splits of 64, 700 in 6 of 128, 1500 in 6 of 256 (the bound of 8)
     "ratio_verify": ([194, 694, 1494], 6, 4, 2, 16, 16, True, None, RATIO),
+    # prefetching: splits of 1 to 4 tiles (the last tile's next one is past the split)
+    "prefetch_verify": ([194, 694, 1494], 6, 4, 2, 16, 16, True, None, RATIO_PREFETCH),
+    "prefetch_window": ([900], 2, 2, 1, 16, 64, False, 300, ADAPTIVE_PREFETCH),
 }
 
 
@@ -158,6 +165,24 @@ def invariance(device: str, launch: Launch | None = None) -> dict[str, int]:
     return out
 
 
+def prefetch_vs_plain(device: str) -> dict[str, int]:
+    """Elements (outputs and log-sum-exps) where a launch with prefetch differs from the same
+    launch without, over the prefetch cases' problems (bf16 on CUDA, fp16 and fp32 in the
+    interpreter)."""
+    out = {}
+    for name in ("prefetch_verify", "prefetch_window"):
+        lens, width, heads, kv_heads, dim, page, causal, window, launch = CASES[name]
+        plain = Launch(**{**launch.__dict__, "prefetch": False})
+        for dtype in DTYPES:
+            problem_ = problem(lens, width, heads, kv_heads, dim, page,
+                               dtype_on(dtype, device), device)
+            runs = [paged_attention(*problem_, dim**-0.5, causal=causal, window=window,
+                                    with_lse=True, launch=la) for la in (launch, plain)]
+            out[f"{name}/{dtype}"] = sum(int((a != b).sum()) for a, b in zip(*runs,
+                                                                              strict=True))
+    return out
+
+
 def model_differences() -> dict[str, float]:
     """fp32 end to end: the tiny demo target's verify logits (a round after a prefill, 3
     sequences) with rounds through the Triton kernel against the per-sequence reference; the
@@ -227,7 +252,8 @@ def test_split_keys_attention_equals_the_reference(errors, name, dtype):
     assert err < TOL[dtype]
 
 
-INVARIANCE_LAUNCHES = {"fixed": None, "adaptive": ADAPTIVE, "ratio": RATIO}
+INVARIANCE_LAUNCHES = {"fixed": None, "adaptive": ADAPTIVE, "ratio": RATIO,
+                       "ratio_prefetch": RATIO_PREFETCH}
 
 
 @pytest.mark.parametrize("splits", INVARIANCE_LAUNCHES)
@@ -237,6 +263,11 @@ def test_a_query_gets_the_same_bits_alone_in_a_block_and_in_a_batch(interpreted,
     else:
         got = invariance("cuda", INVARIANCE_LAUNCHES[splits])
     assert got == {"decode_vs_block": 0, "block_sizes": 0, "alone_vs_batch": 0}
+
+
+def test_prefetch_gives_the_bits_of_the_plain_launch(interpreted):
+    got = interpreted["prefetch"] if interpreted else prefetch_vs_plain("cuda")
+    assert got and not any(got.values()), got
 
 
 @pytest.mark.parametrize("what", ["target_round", "target_round_adaptive", "draft-full",
@@ -301,4 +332,5 @@ if __name__ == "__main__":  # the interpreter child (triton_child.run)
     print(json.dumps({"errors": triton_child.case_errors(CASES, DTYPES, case_error, "cpu"),
                       "invariance": {name: invariance("cpu", launch)
                                      for name, launch in INVARIANCE_LAUNCHES.items()},
+                      "prefetch": prefetch_vs_plain("cpu"),
                       "models": model_differences()}))
