@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     device, dtype, scale = torch.device(args.device), torch.bfloat16, DIM**-0.5
     forms = {name: FORMS[name] for name in args.forms}
     for shape in args.launch:
-        launch = attention_triton.Launch(*(int(x) for x in shape.split(",")))
+        launch = attention_triton.Launch.parse(shape)
         forms[f"triton_{shape.replace(',', '_')}"] = partial(triton_form, launch=launch)
     bandwidth = None
     if device.type == "cuda":

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from target.kernels.attention_triton import Launch
 
-    launches = [Launch(*(int(x) for x in shape.split(","))) for shape in args.attention_launch]
+    launches = [Launch.parse(shape) for shape in args.attention_launch]
     rows = [compile_variant(v, args.arch) for v in variants(launches)
             if args.only is None or args.only in v.name]
     print(f"| kernel (sm_{args.arch}) | shared bytes | registers | spill bytes | s |")

@@ -55,8 +55,8 @@ except ImportError:  # CPU-only installs
 class Launch:
     """The launch shape: `split` keys per split program, `block_m` rows and `block_n` keys per
     step, `warps` and `stages` of the split kernel; `merge_chunk` splits per merge step;
-    `prefetch`: each step reads the next tile's page numbers, K and V before its own
-    arithmetic (the same arithmetic in the same order)."""
+    `prefetch`: each step reads the next tile's K and V, and the page numbers of the tile
+    after it, before its own arithmetic (the same arithmetic in the same order)."""
 
     split: int = 1024
     block_m: int = 32
@@ -74,6 +74,15 @@ class Launch:
     # batch at mid context is not cut into max_splits partial results of a few keys each.
     split_ratio: int = 0
     prefetch: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Launch:
+        """A launch from the benches' and tools' --launch text: the fields in order, comma
+        separated, split to stages required, the rest optional (prefetch 0 or 1)."""
+        values = [int(x) for x in text.split(",")]
+        if len(values) > 8:
+            values[8] = bool(values[8])
+        return cls(*values)
 
 
 # The tiles both launches below use, from the sweep of bench/round_attention.py --launch on the

@@ -35,7 +35,8 @@ ADAPTIVE = Launch(max_splits=4)
 # the square-root growth at a small ratio: at most min(8, split / 16) splits, so 64 keys a
 # split up to 256 keys, 128 up to 1024, then 8 splits at most
 RATIO = Launch(max_splits=8, split_ratio=16)
-# the same, each step reading the next tile's pages, K and V before its arithmetic
+# the same, each step reading the next tile's K and V (and the pages of the one after it)
+# before its arithmetic
 RATIO_PREFETCH = Launch(max_splits=8, split_ratio=16, prefetch=True)
 ADAPTIVE_PREFETCH = Launch(max_splits=4, prefetch=True)
 # name: (context lengths before the queries, W, Hq, Hkv, D, page, causal, window[, launch])
@@ -167,8 +168,8 @@ def invariance(device: str, launch: Launch | None = None) -> dict[str, int]:
 
 def prefetch_vs_plain(device: str) -> dict[str, int]:
     """Elements (outputs and log-sum-exps) where a launch with prefetch differs from the same
-    launch without, over the prefetch cases' problems (bf16 on CUDA, fp16 and fp32 in the
-    interpreter)."""
+    launch without, over the prefetch cases' problems (fp32 and bf16 on CUDA, fp32 and fp16
+    in the interpreter)."""
     out = {}
     for name in ("prefetch_verify", "prefetch_window"):
         lens, width, heads, kv_heads, dim, page, causal, window, launch = CASES[name]
