@@ -7,3 +7,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl 2>&1 | grep -v "^WARNING: Target directory" | tail -2
   export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 fi
+
+# Ctrl-C for the `dflash-serve serve` a check script started under `timeout`: the server
+# alone (a graceful drain), not its timeout wrapper, which would pass a second SIGINT on
+# (stop at once). Then its seconds to drain and shut down.
+stop_server() {
+  pkill -INT -f "^python3 -m deploy.cli serve"; sleep "${1:-8}"
+}

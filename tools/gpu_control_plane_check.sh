@@ -44,7 +44,7 @@ serve_and_measure() {  # name, extra serve flags
     --out-dir "$OUT/serving_$name" 2>&1 | tail -8
   curl -s localhost:$port/metrics | grep -E "^dflash_(draft|verify)_time_per_round_seconds_(sum|count)" \
     > "$OUT/metrics_$name.txt"
-  pkill -INT -f "^python3 -m deploy.cli serve"; sleep 10  # not its timeout wrapper, which would pass on a second SIGINT (stop at once)
+  stop_server 10
   grep -v "NCCL INFO" "$OUT/serve_$name.log" | grep -iE "warm-up|error|Traceback" | tail -3
 }
 

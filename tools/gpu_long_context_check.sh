@@ -54,6 +54,6 @@ serve)
     --lengths 131072 --max-tokens 16 --vocab 248320 --with-short 4 \
     --out "$OUT/long_prompts_mixed.json"
   curl -s localhost:$port/metrics | grep -E "^dflash_(kv|cache|num_requests)" | head -8
-  pkill -INT -f "^python3 -m deploy.cli serve"; sleep 8  # not its timeout wrapper, which would pass on a second SIGINT (stop at once)
+  stop_server 8
   grep -v "NCCL INFO" "$OUT/serve.log" | grep -iE "error|Traceback|OutOfMemory" | tail -5 ;;
 esac; done

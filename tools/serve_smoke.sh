@@ -13,6 +13,6 @@ serve_smoke() {
     echo
     curl -s localhost:$port/metrics | grep -E "$metrics"
   } | tee "$OUT/$name.txt"
-  pkill -INT -f "^python3 -m deploy.cli serve"; sleep 8  # not its timeout wrapper (a second SIGINT)
+  stop_server 8
   grep -v "NCCL INFO" "$OUT/$name.log" | tail -3
 }
