@@ -1,7 +1,8 @@
 # Sourced by the GPU check scripts, from the repository root: the wheels in .whl/ (fla, Ray
 # Serve, the openai client, dflash: `pip download --no-deps -d .whl …` on a machine with pip)
 # installed into
-# /tmp/site for a GPU host without package access, on PYTHONPATH with the repository.
+# /tmp/site for a GPU host without package access, on PYTHONPATH with the repository; and the
+# helpers below that the scripts share.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl 2>&1 | grep -v "^WARNING: Target directory" | tail -2
@@ -13,4 +14,11 @@ fi
 # (stop at once). Then its seconds to drain and shut down.
 stop_server() {
   pkill -INT -f "^python3 -m deploy.cli serve"; sleep "${1:-8}"
+}
+
+# pytest under a time limit that stops it with SIGINT (then SIGKILL 30 s later), so that its
+# report, failures and tracebacks included, is written before it ends: gpu_pytest LIMIT ARGS…
+gpu_pytest() {
+  local limit=$1; shift
+  timeout -s INT -k 30 "$limit" python3 -m pytest "$@"
 }

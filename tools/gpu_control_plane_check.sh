@@ -51,7 +51,7 @@ serve_and_measure() {  # name, extra serve flags
 parts=${*:-tests inproc cluster hops serve}
 for part in $parts; do case $part in
 tests)
-  timeout -s INT -k 30 ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+  gpu_pytest ${TESTS_TIMEOUT:-300} -q -p no:cacheprovider -rfE --tb=short \
     tests/cluster/test_gpu_cluster.py tests/workers/test_aux_transport.py \
     tests/workers/test_cuda_graphs.py tests/workers/test_channel.py > "$OUT/gpu_tests.txt" 2>&1
   tail -6 "$OUT/gpu_tests.txt" ;;

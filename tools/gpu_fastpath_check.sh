@@ -49,7 +49,7 @@ parts=${*:-tests profile golden bench}
 
 for part in $parts; do case $part in
 tests)
-  timeout -s INT -k 30 ${TESTS_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+  gpu_pytest ${TESTS_TIMEOUT:-360} -q -p no:cacheprovider -p no:logging -rfE \
     --tb=short --continue-on-collection-errors -m gpu tests/target tests/workers tests/draft \
     tests/cluster/test_gpu_cluster.py -k "not ray" > "$OUT/gpu_tests.txt" 2>&1
   tail -12 "$OUT/gpu_tests.txt" ;;
@@ -57,7 +57,7 @@ kernels)  # the Triton kernels' tests that run in the interpreter on CPU, here o
   # kernel against its reference, and the bits (alone = in a batch, a block = its tokens
   # decoded one by one, the pairs' prefetch = none) at the real dtypes, where launch shapes
   # set the order
-  timeout -s INT -k 30 ${TESTS_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+  gpu_pytest ${TESTS_TIMEOUT:-360} -q -p no:cacheprovider -p no:logging -rfE \
     --tb=short -m "not gpu" tests/target/test_attention_triton.py \
     tests/target/test_gdn_slots.py tests/target/test_gdn_prologue.py \
     tests/target/test_qk_rope_triton.py tests/target/test_moe_triton.py \
@@ -65,7 +65,7 @@ kernels)  # the Triton kernels' tests that run in the interpreter on CPU, here o
     > "$OUT/gpu_kernel_tests.txt" 2>&1
   tail -4 "$OUT/gpu_kernel_tests.txt" ;;
 moetests)
-  timeout -s INT -k 30 ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -p no:logging -rfE \
+  gpu_pytest ${TESTS_TIMEOUT:-240} -q -p no:cacheprovider -p no:logging -rfE \
     --tb=short -m gpu tests/target/test_moe_triton.py tests/target/test_moe_kernel.py \
     tests/target/test_moe_sorted.py tests/target/test_moe_route.py \
     > "$OUT/gpu_moe_tests.txt" 2>&1

@@ -21,13 +21,13 @@ export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 parts=${*:-kernels tests bench serve}
 for part in $parts; do case $part in
 kernels)
-  timeout -s INT -k 30 ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+  gpu_pytest ${TESTS_TIMEOUT:-150} -q -p no:cacheprovider -rfE --tb=short \
     tests/target/test_attention_triton.py > "$OUT/gpu_triton_tests.txt" 2>&1
   tail -3 "$OUT/gpu_triton_tests.txt"
   timeout ${ROUND_TIMEOUT:-240} python3 -m bench.round_attention --keys 8192 32768 131072 \
     --out "$OUT/round_attention.json" 2>&1 | tail -12 ;;
 tests)
-  timeout -s INT -k 30 ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
+  gpu_pytest ${TESTS_TIMEOUT:-150} -q -p no:cacheprovider -rfE --tb=short -m gpu \
     tests/target/test_long_context.py > "$OUT/gpu_tests.txt" 2>&1
   tail -3 "$OUT/gpu_tests.txt" ;;
 bench)
