@@ -22,10 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-try:  # the openai client's own HTTP package: httpx2 in openai ≥ 3, httpx before
-    import httpx2 as httpx
-except ImportError:
-    import httpx
+from bench.http_client import httpx
 
 
 def prompt_ids(length: int, vocab: int, seed: int) -> list[int]:

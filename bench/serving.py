@@ -31,14 +31,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-try:  # the openai client's own HTTP package: httpx2 in openai ≥ 3, httpx before
-    import httpx2 as httpx
-except ImportError:
-    import httpx
 import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.http_client import httpx
 from bench.serving_report import plot, table, write_csv
 
 # Common English words: one or a few tokens each in most vocabularies.
