@@ -26,8 +26,8 @@
 #            split, at 512 to 128k keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
 #   attnlong bench/round_attention.py at 32k and 128k keys: the engine's launch against one
 #            change each (3 stages, 8 warps, 128-key steps, 16-row tiles, split_ratio 2: at
-#            128k 512-key splits) and the prefetching kernel at 8 warps (32- and 16-row
-#            tiles), 1 and 8 sequences, 1 and 16 queries: where a long-context decode's
+#            128k 512-key splits), the prefetching kernel at 8 warps (32- and 16-row
+#            tiles) and 32-key steps at 2 and 3 stages, 1 and 8 sequences, 1 and 16 queries: where a long-context decode's
 #            attention (~105 µs a layer at 128k against a 64 µs floor) can go
 #   midctx   bench/engine.py at 8,192 tokens of context, batch 1 and 8, B = 16, in one process:
 #            the defaults twice (the same-run spread), where the attention's split rule and the
@@ -119,6 +119,7 @@ attnlong)  # the --launch fields: split, rows, keys per step, warps, stages, mer
     --launch 1024,32,64,4,3,32,256,4 1024,32,64,8,2,32,256,4 1024,32,128,4,2,32,256,4 \
              1024,16,64,4,2,32,256,4 1024,32,64,4,2,32,256,2 \
              1024,32,64,8,2,32,256,4,1 1024,16,64,8,2,32,256,4,1 \
+             1024,32,32,4,2,32,256,4 1024,32,32,4,3,32,256,4 \
     --out "$OUT/round_attention_long.json" 2>&1 | tee "$OUT/round_attention_long.log" | tail -20 ;;
 midctx)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \

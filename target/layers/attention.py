@@ -1,6 +1,7 @@
 """Qwen3.5 gated full attention over the paged KV cache, tensor-parallel over heads.
 
-q_proj rows hold per head [query | gate]; output = attn · sigmoid(gate) → o_proj.
+q_proj rows hold per head [query | gate]; output = attn · sigmoid(gate) → o_proj. q_proj,
+k_proj and v_proj are row views of one weight (`qkv_proj`): a step runs them as one GEMM.
 kv heads are split across ranks when tp ≤ kv heads, replicated (rank r uses kv head
 r // (tp / kv_heads)) when tp > kv heads.
 """
@@ -15,7 +16,12 @@ from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
 from target.kernels import attention as attn_kernels
 from target.kernels import attention_triton, fused, qk_rope_triton
-from target.layers.linear import ColumnParallelLinear, RowParallelLinear
+from target.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    stack_rows,
+    stacked_linear,
+)
 from target.layers.norm import RMSNorm
 from target.layers.rotary import RotaryEmbedding
 
@@ -47,6 +53,10 @@ class GatedAttention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, [kv * d], tp, dtype, kv_shards, kv_rank)
         self.v_proj = ColumnParallelLinear(h, [kv * d], tp, dtype, kv_shards, kv_rank)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, tp, dtype)
+        # q, k and v read the same x: their weights are row views of one tensor (each filled
+        # by its own loader), and a step runs them as one GEMM.
+        qkv_proj, self.qkv_sizes = stack_rows([self.q_proj, self.k_proj, self.v_proj])
+        self.register_buffer("qkv_proj", qkv_proj, persistent=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.rotary = rotary
@@ -54,7 +64,8 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: TargetCaches) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qkv = stacked_linear(x, self.qkv_proj, sum(self.qkv_sizes))
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
