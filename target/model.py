@@ -13,7 +13,7 @@ from target.kernels import fused
 from target.layers.attention import GatedAttention, set_round_attention
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.layers.gdn import GatedDeltaNet
-from target.layers.moe import SparseMoE
+from target.layers.moe import MoEOutput, SparseMoE
 from target.layers.norm import RMSNorm
 from target.layers.rotary import RotaryEmbedding
 
@@ -31,18 +31,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                caches: TargetCaches) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor | MoEOutput, residual: torch.Tensor | None,
+                batch: ForwardBatch, caches: TargetCaches
+                ) -> tuple[torch.Tensor | MoEOutput, torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (or the embeddings, residual None). Returns this
-        layer's MLP output and the stream before it: the stream after the layer is their sum,
+        layer's MLP output (at TP 1 uncombined: SparseMoE), the stream before it, and the
+        stream entering this layer. The stream after the layer is the sum of the first two,
         which the next norm adds (a residual add is no kernel of its own)."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             residual, h = self.input_layernorm(x, residual)
+        entering = residual
         residual, h = self.post_attention_layernorm(mixer(h, batch, caches), residual)
-        return self.mlp(h), residual
+        return self.mlp(h), residual, entering
 
 
 class Qwen3_5MoeTextModel(nn.Module):
@@ -100,12 +103,14 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         wanted = set(batch.aux_layer_ids)
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, batch, caches)
-            if i in wanted:  # the stream after layer i (the next norm adds it again)
-                aux[i] = residual + x
+            x, residual, entering = layer(x, residual, batch, caches)
+            if i - 1 in wanted:  # the stream after layer i − 1, as layer i's norm summed it
+                aux[i - 1] = entering
+        stream, hidden = self.model.norm(x, residual)
+        aux[len(self.model.layers) - 1] = stream
         feats = [aux[i] for i in batch.aux_layer_ids]
-        aux_out = torch.cat(feats, dim=-1) if feats else x.new_empty(x.shape[0], 0)
-        return self.model.norm(x, residual)[1], aux_out
+        aux_out = torch.cat(feats, dim=-1) if feats else hidden.new_empty(hidden.shape[0], 0)
+        return hidden, aux_out
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """[T, V] logits, in fp32 unless not `fp32` (then the model's dtype: an argmax needs

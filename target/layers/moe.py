@@ -4,6 +4,8 @@ expert, so routed and shared outputs are partial sums reduced by one all-reduce.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,21 @@ from target.layers.linear import (
     stacked_linear,
 )
 from target.weights import WeightSource, copy_into, expect_shape
+
+
+class MoEOutput(NamedTuple):
+    """A MoE layer's output before its combine: fused.moe_combine's arguments (the routed
+    rows [T, k, H], their weights [T, k], the shared expert's output [T, H] and its gate
+    logit [T, 1]). At TP 1 the next norm folds the combine in (RMSNorm: one kernel for the
+    combine, the residual add and the norm)."""
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    shared: torch.Tensor
+    gate_logit: torch.Tensor
+
+    def value(self) -> torch.Tensor:
+        return fused.moe_combine(*self)
 
 
 class FusedExperts(nn.Module):
@@ -75,11 +92,13 @@ class FusedExperts(nn.Module):
         copy_into(param.data[expert], src.read(slice(None), r), src)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None):
+                shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+                combine: bool = True) -> torch.Tensor | MoEOutput:
         """x [T, H]; topk_ids/topk_weights [T, k] → the routed output [T, H]. With `shared`
         [T, H] and its `shared_gate` logit [T, 1], the shared expert's part is added as
         fused.shared_expert_combine adds it: on the kernel paths in the same compiled graph
-        as the slots' weighted sum (fused.moe_combine)."""
+        as the slots' weighted sum (fused.moe_combine), or, `combine` False, left to the
+        caller (a MoEOutput; the reference path combines all the same)."""
         kernel = self.kernel if self.kernel != "auto" else self._auto(x, topk_ids.numel())
         if kernel == "reference":
             routed = self.reference(x, topk_ids, topk_weights)
@@ -92,7 +111,8 @@ class FusedExperts(nn.Module):
                           reduce=False)  # [T, k, H]
         if shared is None:
             return fused.weighted_slot_sum(rows, topk_weights)
-        return fused.moe_combine(rows, topk_weights, shared, shared_gate)
+        out = MoEOutput(rows, topk_weights, shared, shared_gate)
+        return out if not combine else out.value()
 
     @staticmethod
     def _auto(x: torch.Tensor, pairs: int) -> str:
@@ -145,14 +165,16 @@ class SparseMoE(nn.Module):
             [self.gate, self.shared_expert.gate_up_proj, self.shared_expert_gate])
         self.register_buffer("in_proj", in_proj, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | MoEOutput:
         y = stacked_linear(x, self.in_proj, sum(self.in_sizes))
         logits, gate_up, shared_gate = y.split(self.in_sizes, dim=-1)  # [T, E], [T, 2·I/tp], [T, 1]
         route = route_topk if self.routing == "triton" else fused.moe_route
         topk_weights, topk_ids = route(logits, self.top_k, x.dtype)  # [T, k]
         shared = self.shared_expert.down_proj(fused.silu_mul(gate_up))
-        out = self.experts(x, topk_ids, topk_weights, shared, shared_gate)
-        return all_reduce(out, self.tp)
+        # TP 1: no all-reduce, so the combine is left to the next norm (MoEOutput)
+        out = self.experts(x, topk_ids, topk_weights, shared, shared_gate,
+                           combine=self.tp.size > 1)
+        return out if isinstance(out, MoEOutput) else all_reduce(out, self.tp)
 
 
 class SharedExpert(nn.Module):

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from target.kernels import fused
+from target.layers.moe import MoEOutput
 from target.weights import WeightSource, copy_into, expect_shape
 
 
@@ -21,11 +22,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), False)
         self.weight.weight_loader = _replicated_loader
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor | MoEOutput, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); with `residual`: the stream residual + x and its norm, in one kernel."""
+        """norm(x); with `residual`: the stream residual + x and its norm, in one kernel, x's
+        combine too where x is a MoE layer's uncombined output."""
         if residual is None:
             return fused.rms_norm(x, self.weight, self.eps)
+        if isinstance(x, MoEOutput):
+            return fused.moe_combine_add_rms_norm(*x, residual, self.weight, self.eps)
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 

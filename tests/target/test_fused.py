@@ -39,6 +39,8 @@ def cases(device: str):
         (fused.silu_mul, (r(t, 2 * h),)),
         (fused.shared_expert_combine, (r(t, h), r(t, h), r(t, 1))),
         (fused.moe_combine, (r(t, 4, h), r(t, 4).softmax(-1), r(t, h), r(t, 1))),
+        (fused.moe_combine_add_rms_norm, (r(t, 4, h), r(t, 4).softmax(-1), r(t, h), r(t, 1),
+                                          r(t, h), r(h) * 0.1, 1e-6)),
         (fused.weighted_slot_sum, (r(t, 4, h), r(t, 4).softmax(-1))),
         (fused.sigmoid_gate, (r(t, h), r(t, h))),
         (fused.qk_norm_rope, (r(t, 4, 32), r(t, 2, 32), r(32) * 0.1, r(32) * 0.1, 1e-6,
@@ -104,3 +106,26 @@ def test_the_folded_residual_add_is_the_add_then_the_norm():
     s, h = fused.add_rms_norm(x, residual, w, 1e-6)
     assert torch.equal(s, residual + x)
     assert torch.equal(h, fused.rms_norm(residual + x, w, 1e-6))
+
+
+def test_the_folded_moe_combine_is_the_combine_then_the_add_and_norm():
+    """Eager, a MoE output folded into the next norm (TP 1) gives the bits of moe_combine and
+    add_rms_norm run apart; RMSNorm takes the uncombined output (MoEOutput) that way."""
+    from target.layers.moe import MoEOutput
+    from target.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(2)
+    t, k, h = 5, 4, 64
+    rows = torch.randn(t, k, h, generator=g).bfloat16()
+    weights = torch.randn(t, k, generator=g).softmax(-1).bfloat16()
+    shared, residual = (torch.randn(t, h, generator=g).bfloat16() for _ in range(2))
+    gate = torch.randn(t, 1, generator=g).bfloat16()
+    norm = RMSNorm(h, 1e-6, torch.bfloat16)
+    norm.weight.data = torch.randn(h, generator=g).bfloat16() * 0.1
+    out = MoEOutput(rows, weights, shared, gate)
+    want = fused.add_rms_norm(fused.moe_combine(rows, weights, shared, gate), residual,
+                              norm.weight, 1e-6)
+    for got in (norm(out, residual), fused.moe_combine_add_rms_norm(*out, residual,
+                                                                     norm.weight, 1e-6)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(out.value(), fused.moe_combine(rows, weights, shared, gate))
