@@ -47,7 +47,7 @@ REAL = {
 SMALL = {"a": (40, 48, 1), "b": (96, 200, 2), "c": (8, 48, 1)}
 # Projections that read the same input: one GEMM over their stacked weights can replace them.
 GROUPS = {"cuda": {"attention_qkv": ("q_proj", "k_proj", "v_proj"),
-                   "moe_inputs": ("router", "shared_gate_up", "shared_gate")},
+                   "moe_inputs": ("router", "shared_gate", "shared_gate_up")},
           "cpu": {"ac": ("a", "c")}}
 ROWS = {"cuda": [1, 2, 4, 8, 16], "cpu": [1, 3]}
 ROTATE_BYTES = 256 << 20

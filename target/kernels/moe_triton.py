@@ -112,29 +112,49 @@ def expert_sizes(name: str, interpreted: bool, x: torch.Tensor, gate_up: torch.T
 def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                  topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  gate_up_blocks: PairBlocks | None = None,
-                 down_blocks: PairBlocks | None = None, reduce: bool = True) -> torch.Tensor:
+                 down_blocks: PairBlocks | None = None, reduce: bool = True,
+                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (gate rows, then up rows); down [E, H, I]; topk_ids
     (integer) / topk_weights [T, k]. Returns [T, H] in x's dtype (reduce False: each slot's
     row, [T, k, H], as grouped_experts gives it). Any strides. The block overrides
-    (benchmarks) replace pair_blocks' choice for each kernel."""
+    (benchmarks) replace pair_blocks' choice for each kernel.
+
+    `shared`: a shared expert's (gate_up [2I, H], down [H, I]), strided as one expert of
+    gate_up and down, run as one more slot of each token in the same two launches (no
+    launches of its own): rows [T, k + 1, H], the shared expert's last, as its own GEMMs
+    would round it (reduce must be False)."""
+    if shared is not None:
+        assert not reduce, "the shared expert's row is the caller's to combine"
+        shared_gate_up, shared_down = shared
+        for name, weight, routed in (("gate_up", shared_gate_up, gate_up),
+                                     ("down", shared_down, down)):
+            assert weight.shape == routed.shape[1:] and weight.stride() == routed.stride()[1:], (
+                f"the shared {name} {tuple(weight.shape)} (strides {weight.stride()}) is not "
+                f"shaped and strided as one routed expert's {tuple(routed.shape[1:])} "
+                f"({routed.stride()[1:]})")
+    else:  # not read (SHARED off): any pointer of the right type will do
+        shared_gate_up, shared_down = gate_up, down
     tokens, hidden, inter, k = expert_sizes("pair_experts", _interpreted(), x, gate_up, down,
                                             topk_ids, topk_weights)
-    pairs = tokens * k
+    slots = k + (shared is not None)
+    pairs = tokens * slots
     if pairs == 0:
-        return torch.zeros_like(x) if reduce else x.new_zeros(tokens, k, hidden)
+        return torch.zeros_like(x) if reduce else x.new_zeros(tokens, slots, hidden)
     gb = gate_up_blocks or pair_blocks(hidden)
     db = down_blocks or pair_blocks(inter)
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]; pair p = t·k + j
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]; p = t·slots + j
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)  # [P, H]
     _gate_up_kernel[(pairs, triton.cdiv(inter, gb.block_n))](
-        x, gate_up, topk_ids, h, k, inter, hidden,
+        x, gate_up, shared_gate_up, topk_ids, h, k, inter, hidden,
         x.stride(0), x.stride(1), *gate_up.stride(), *topk_ids.stride(),
-        BLOCK_N=gb.block_n, BLOCK_K=gb.block_k, PREFETCH=gb.prefetch, num_warps=gb.num_warps)
+        BLOCK_N=gb.block_n, BLOCK_K=gb.block_k, PREFETCH=gb.prefetch,
+        SHARED=shared is not None, num_warps=gb.num_warps)
     _down_kernel[(pairs, triton.cdiv(hidden, db.block_n))](
-        h, down, topk_ids, y, k, hidden, inter,
+        h, down, shared_down, topk_ids, y, k, hidden, inter,
         *down.stride(), *topk_ids.stride(),
-        BLOCK_N=db.block_n, BLOCK_K=db.block_k, PREFETCH=db.prefetch, num_warps=db.num_warps)
-    y = y.view(tokens, k, hidden)
+        BLOCK_N=db.block_n, BLOCK_K=db.block_k, PREFETCH=db.prefetch,
+        SHARED=shared is not None, num_warps=db.num_warps)
+    y = y.view(tokens, slots, hidden)
     return fused.weighted_slot_sum(y, topk_weights) if reduce else y
 
 
@@ -155,18 +175,34 @@ if triton is not None:
         return xk, tl.load(gate + off, mask=m, other=0.0), tl.load(up + off, mask=m, other=0.0)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, top_k, inter, hidden,
+    def _expert_weights(w_ptr, shared_ptr, ids_ptr, token, slot, top_k, stride_we,
+                        stride_it, stride_ik, SHARED: tl.constexpr):
+        """The weights of a pair's expert: its routed expert's, or past the k routed slots
+        (SHARED) the shared expert's."""
+        # int64: expert · stride_we passes 2^31 elements on larger models.
+        expert = tl.load(ids_ptr + token * stride_it + slot * stride_ik, mask=slot < top_k,
+                         other=0).to(tl.int64)
+        w = w_ptr + expert * stride_we
+        if SHARED:
+            if slot == top_k:
+                w = shared_ptr
+        return w
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, shared_ptr, ids_ptr, h_ptr, top_k, inter, hidden,
                         stride_xt, stride_xh, stride_we, stride_wn, stride_wh,
                         stride_it, stride_ik,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                        SHARED: tl.constexpr):
         pair = tl.program_id(0)
-        token, slot = pair // top_k, pair % top_k
-        # int64: expert · stride_we passes 2^31 elements on larger models.
-        expert = tl.load(ids_ptr + token * stride_it + slot * stride_ik).to(tl.int64)
+        slots = top_k + SHARED
+        token, slot = pair // slots, pair % slots
+        w = _expert_weights(w_ptr, shared_ptr, ids_ptr, token, slot, top_k, stride_we,
+                            stride_it, stride_ik, SHARED)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of I
         row_ok = rows < inter
         cols = tl.arange(0, BLOCK_K)
-        gate = w_ptr + expert * stride_we + rows[:, None] * stride_wn  # [BLOCK_N, 1]
+        gate = w + rows[:, None] * stride_wn  # [BLOCK_N, 1]
         up = gate + inter * stride_wn  # the matching up rows
         x_row = x_ptr + token * stride_xt
         # Elementwise accumulators, reduced once after the loop (not one reduction per step).
@@ -203,16 +239,19 @@ if triton is not None:
         return hk, tl.load(w + kk[None, :] * stride_wi, mask=m, other=0.0)
 
     @triton.jit
-    def _down_kernel(h_ptr, w_ptr, ids_ptr, y_ptr, top_k, hidden, inter,
+    def _down_kernel(h_ptr, w_ptr, shared_ptr, ids_ptr, y_ptr, top_k, hidden, inter,
                      stride_we, stride_wn, stride_wi, stride_it, stride_ik,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                     SHARED: tl.constexpr):
         pair = tl.program_id(0)
-        token, slot = pair // top_k, pair % top_k
-        expert = tl.load(ids_ptr + token * stride_it + slot * stride_ik).to(tl.int64)
+        slots = top_k + SHARED
+        token, slot = pair // slots, pair % slots
+        w = _expert_weights(w_ptr, shared_ptr, ids_ptr, token, slot, top_k, stride_we,
+                            stride_it, stride_ik, SHARED)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] of H
         row_ok = rows < hidden
         cols = tl.arange(0, BLOCK_K)
-        w = w_ptr + expert * stride_we + rows[:, None] * stride_wn  # [BLOCK_N, 1]
+        w = w + rows[:, None] * stride_wn  # [BLOCK_N, 1]
         h_row = h_ptr + pair * inter
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PREFETCH:  # as in _gate_up_kernel

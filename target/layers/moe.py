@@ -99,7 +99,7 @@ class FusedExperts(nn.Module):
         fused.shared_expert_combine adds it: on the kernel paths in the same compiled graph
         as the slots' weighted sum (fused.moe_combine), or, `combine` False, left to the
         caller (a MoEOutput; the reference path combines all the same)."""
-        kernel = self.kernel if self.kernel != "auto" else self._auto(x, topk_ids.numel())
+        kernel = self.resolve(x, topk_ids.numel())
         if kernel == "reference":
             routed = self.reference(x, topk_ids, topk_weights)
             if shared is None:
@@ -113,6 +113,10 @@ class FusedExperts(nn.Module):
             return fused.weighted_slot_sum(rows, topk_weights)
         out = MoEOutput(rows, topk_weights, shared, shared_gate)
         return out if not combine else out.value()
+
+    def resolve(self, x: torch.Tensor, pairs: int) -> str:
+        """The path a step of `pairs` (token, slot) pairs takes: `kernel`, or auto's choice."""
+        return self.kernel if self.kernel != "auto" else self._auto(x, pairs)
 
     @staticmethod
     def _auto(x: torch.Tensor, pairs: int) -> str:
@@ -147,9 +151,12 @@ class FusedExperts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """The router, the shared expert's gate/up and its gate all read x: their weights are row
-    views of one [E + 2·I_shared/tp + 1, H] tensor (`in_proj`, filled by their own loaders;
-    zero rows after them up to a multiple of 8), and a step runs them as one GEMM."""
+    """The router, its shared-expert gate and the shared expert's gate/up all read x: their
+    weights are row views of one [E + 1 + 2·I_shared/tp, H] tensor, in that order
+    (`in_proj`, filled by their own loaders; zero rows after them up to a multiple of 8), and
+    a step runs them as one GEMM. A step on the pair GEMVs (decode) runs only the first E + 1
+    rows and the shared expert as one more slot of the pair kernels (where its weights are
+    shaped as a routed expert's): two launches for all experts, shared one included."""
 
     def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
@@ -162,19 +169,36 @@ class SparseMoE(nn.Module):
         self.shared_expert = SharedExpert(h, shared, tp, dtype)
         self.shared_expert_gate = ReplicatedLinear(h, 1, dtype)
         in_proj, self.in_sizes = stack_rows(
-            [self.gate, self.shared_expert.gate_up_proj, self.shared_expert_gate])
+            [self.gate, self.shared_expert_gate, self.shared_expert.gate_up_proj])
         self.register_buffer("in_proj", in_proj, persistent=False)
+        self.shared_in_pairs = (
+            self.shared_expert.gate_up_proj.weight.shape == self.experts.gate_up_proj.shape[1:]
+            and self.shared_expert.down_proj.weight.shape == self.experts.down_proj.shape[1:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | MoEOutput:
-        y = stacked_linear(x, self.in_proj, sum(self.in_sizes))
-        logits, gate_up, shared_gate = y.split(self.in_sizes, dim=-1)  # [T, E], [T, 2·I/tp], [T, 1]
         route = route_topk if self.routing == "triton" else fused.moe_route
+        if self.shared_in_pairs and self.experts.resolve(x, x.shape[0] * self.top_k) == "pairs":
+            return self._pairs_with_shared(x, route)
+        y = stacked_linear(x, self.in_proj, sum(self.in_sizes))
+        logits, shared_gate, gate_up = y.split(self.in_sizes, dim=-1)  # [T, E], [T, 1], [T, 2·I/tp]
         topk_weights, topk_ids = route(logits, self.top_k, x.dtype)  # [T, k]
         shared = self.shared_expert.down_proj(fused.silu_mul(gate_up))
         # TP 1: no all-reduce, so the combine is left to the next norm (MoEOutput)
         out = self.experts(x, topk_ids, topk_weights, shared, shared_gate,
                            combine=self.tp.size > 1)
         return out if isinstance(out, MoEOutput) else all_reduce(out, self.tp)
+
+    def _pairs_with_shared(self, x: torch.Tensor, route) -> torch.Tensor | MoEOutput:
+        """The router and the shared-expert gate (the first E + 1 rows of in_proj), then the
+        routed experts and the shared one in the pair kernels' two launches."""
+        logits, shared_gate = stacked_linear(x, self.in_proj, sum(self.in_sizes[:2])).split(
+            self.in_sizes[:2], dim=-1)
+        topk_weights, topk_ids = route(logits, self.top_k, x.dtype)
+        shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight)
+        rows = pair_experts(x, self.experts.gate_up_proj, self.experts.down_proj, topk_ids,
+                            topk_weights, reduce=False, shared=shared)  # [T, k + 1, H]
+        out = MoEOutput(rows[:, : self.top_k], topk_weights, rows[:, self.top_k], shared_gate)
+        return out if self.tp.size == 1 else all_reduce(out.value(), self.tp)
 
 
 class SharedExpert(nn.Module):

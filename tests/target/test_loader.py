@@ -93,14 +93,14 @@ def test_bf16_checkpoint_keeps_gdn_decay_params_fp32(tiny_models):
 
 @pytest.mark.parametrize("tp", [SINGLE, TPGroup(rank=1, size=2)], ids=["tp1", "tp2-rank1"])
 def test_moe_input_weights_load_into_one_tensor(tiny_models, tp):
-    """The router, the shared expert's gate/up and its gate are row views of SparseMoE.in_proj
+    """The router, the shared expert's gate and its gate/up are row views of SparseMoE.in_proj
     (one GEMM per step): their loaders must have filled it, in that order; zero rows follow,
     up to a multiple of 8 (the GEMM's output rows 16-byte aligned in bf16)."""
     model = load_target(tiny_models / "target", tp=tp)
     for layer in model.model.layers:
         moe = layer.mlp
-        parts = [moe.gate.weight, moe.shared_expert.gate_up_proj.weight,
-                 moe.shared_expert_gate.weight]
+        parts = [moe.gate.weight, moe.shared_expert_gate.weight,
+                 moe.shared_expert.gate_up_proj.weight]
         assert all(p.untyped_storage().data_ptr() == moe.in_proj.untyped_storage().data_ptr()
                    for p in parts)
         used = sum(moe.in_sizes)

@@ -89,6 +89,43 @@ def prefetch_equal(device: str) -> bool:
     return all(same)
 
 
+def shared_slot(device: str) -> dict[str, bool | float]:
+    """A shared expert as one more slot of the pair kernels (pair_experts' `shared`): the
+    routed rows keep their bits, and the extra row is the shared expert's gate_up, SwiGLU and
+    down (fp32, at the default and at partial-tile blocks). Then the MoE layer that runs it:
+    SparseMoE on the pair kernels (tiny preset, random weights, fp32) against its reference
+    path, and what it hands the next norm (MoEOutput)."""
+    from configs.model import TargetConfig
+    from configs.presets import target_preset
+    from target import dummy
+    from target.distributed import SINGLE
+    from target.layers.moe import MoEOutput, SparseMoE
+
+    out: dict[str, bool | float] = {}
+    x, gate_up, down, ids, w = problem(3, 4, 6, 200, 72, torch.float32, device, seed=5)
+    g = torch.Generator().manual_seed(9)
+    shared = (torch.randn(gate_up.shape[1:], generator=g).to(device) * 0.1,
+              torch.randn(down.shape[1:], generator=g).to(device) * 0.1)
+    want = torch.nn.functional.linear(fused.silu_mul(x @ shared[0].T), shared[1])
+    for name, blocks in (("default", {}), ("blocks", dict(gate_up_blocks=PairBlocks(16, 32, 2),
+                                                          down_blocks=PairBlocks(32, 16, 1)))):
+        plain = pair_experts(x, gate_up, down, ids, w, reduce=False, **blocks)
+        rows = pair_experts(x, gate_up, down, ids, w, reduce=False, shared=shared, **blocks)
+        out[f"{name}_routed_equal"] = bool(torch.equal(rows[:, :4], plain))
+        out[f"{name}_shared_err"] = rel_err(rows[:, 4], want.double())
+    with torch.device(device):  # built there: .to() would copy in_proj's views apart
+        moe = SparseMoE(TargetConfig.from_dict(target_preset("tiny")), SINGLE, torch.float32)
+    moe = dummy.init_(moe, seed=3)
+    xs = torch.randn(1, moe.in_proj.shape[1], generator=g).to(device)
+    moe.experts.kernel = "reference"
+    reference_out = moe(xs)
+    moe.experts.kernel = "pairs"
+    got = moe(xs)
+    out["layer_uncombined"] = isinstance(got, MoEOutput) and got.rows.shape[1] == moe.top_k
+    out["layer_err"] = rel_err(got.value(), reference_out.double())
+    return out
+
+
 def all_case_errors() -> dict[str, float | str]:
     return triton_child.case_errors(CASES, DTYPES, case_error, "cpu")
 
@@ -135,6 +172,22 @@ def test_prefetch_gives_the_same_bits(interpreted):
     assert interpreted["prefetch_equal"] if interpreted is not None else prefetch_equal("cuda")
 
 
+def test_a_shared_expert_runs_as_one_more_slot(interpreted):
+    got = interpreted["shared_slot"] if interpreted is not None else shared_slot("cuda")
+    for blocks in ("default", "blocks"):
+        assert got[f"{blocks}_routed_equal"], got
+        assert got[f"{blocks}_shared_err"] < TOL["fp32"], got
+    assert got["layer_uncombined"], got
+    assert got["layer_err"] < TOL["fp32"], got
+
+
+def test_a_shared_expert_not_shaped_as_a_routed_one_is_refused():
+    x, gate_up, down, ids, w = problem(1, 2, 4, 16, 8, torch.float32)
+    with pytest.raises(AssertionError, match="shared"):
+        pair_experts(x, gate_up, down, ids, w, reduce=False,
+                     shared=(gate_up[0, :8], down[0]))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 16])
 def test_real_sizes_match_grouped_and_capture_in_a_cuda_graph(tokens):
@@ -150,4 +203,4 @@ def test_real_sizes_match_grouped_and_capture_in_a_cuda_graph(tokens):
 
 if __name__ == "__main__":  # the interpreter child of errors()
     print(json.dumps({"errors": all_case_errors(), "consistency": consistency("cpu"),
-                      "prefetch_equal": prefetch_equal("cpu")}))
+                      "prefetch_equal": prefetch_equal("cpu"), "shared_slot": shared_slot("cpu")}))
