@@ -94,7 +94,8 @@ class GatedAttention(nn.Module):
         else:
             o = attn_kernels.paged_attention(q, k_cache, v_cache, batch.query_lens,
                                              batch.seq_lens, batch.block_tables, self.scale)
-        o = fused.sigmoid_gate(o.reshape(t, -1), gate.reshape(t, -1))
+        # per head, on gate's strided view (a chunk of q_proj's rows): no copy of it
+        o = fused.sigmoid_gate(o.reshape(t, self.num_heads, self.head_dim), gate).reshape(t, -1)
         return self.o_proj(o)
 
 
