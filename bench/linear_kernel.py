@@ -8,6 +8,7 @@ runs them now, and with each group fused.
 
     python -m bench.linear_kernel --device cuda --out linear_kernel.json
     python -m bench.linear_kernel --device cpu   # smoke check: tiny sizes
+    python -m bench.linear_kernel --device cuda --layouts nk kn   # and each weight transposed
 
 Real sizes, bf16, rows M in ROWS. A shape's weight exists in enough copies (ROTATE_BYTES
 together, about 5× the 50 MB L2, at most MAX_COPIES) that consecutive calls read different
@@ -79,22 +80,32 @@ def us_per_call(calls: list[Callable], device: torch.device, iters: int) -> floa
     return statistics.median(samples) / len(calls)
 
 
+# How a weight is stored: "nk" as the model stores it ([N, K], F.linear(x, w)); "kn" as its
+# transpose ([K, N] contiguous, x @ w: cuBLAS takes the other operand layout and may pick
+# another kernel, e.g. none of the split-K ones it takes for 2048 × 4096 at one row).
+LAYOUTS = ("nk", "kn")
+
+
 def bench_shape(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype,
-                iters: int) -> list[dict]:
-    """F.linear with an N × K weight at each M."""
+                iters: int, layout: str = "nk") -> list[dict]:
+    """F.linear with an N × K weight at each M (`layout` "kn": x @ a [K, N] weight)."""
     nbytes = n * k * dtype.itemsize
     if device.type == "cuda":
         copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // nbytes)))
         num_calls = max(copies, MIN_CALLS)
     else:
         copies = num_calls = 2
-    weights = [torch.randn(n, k, device=device, dtype=dtype) * k**-0.5 for _ in range(copies)]
+    shape = (n, k) if layout == "nk" else (k, n)
+    weights = [torch.randn(*shape, device=device, dtype=dtype) * k**-0.5 for _ in range(copies)]
     out = []
     for m in rows:
         x = torch.randn(m, k, device=device, dtype=dtype)
-        calls = [lambda x=x, w=weights[i % copies]: F.linear(x, w) for i in range(num_calls)]
+        if layout == "nk":
+            calls = [lambda x=x, w=weights[i % copies]: F.linear(x, w) for i in range(num_calls)]
+        else:
+            calls = [lambda x=x, w=weights[i % copies]: x @ w for i in range(num_calls)]
         us = us_per_call(calls, device, iters)
-        out.append({"n": n, "k": k, "rows": m, "copies": copies,
+        out.append({"n": n, "k": k, "rows": m, "layout": layout, "copies": copies,
                     "l2_fits": device.type == "cuda" and copies * nbytes <= L2_BYTES,
                     "us": round(us, 2), "gb_s": round(nbytes / us / 1e3, 1)})
     del weights
@@ -113,7 +124,8 @@ def per_step(shapes: dict, groups: dict, rows: list[dict], copy_gb_s: float) -> 
     every group as one GEMM ("fused"), and the copy floor; per group, one call of its
     projections separate and fused."""
     def us(n: int, k: int, m: int) -> float:
-        return next(r["us"] for r in rows if (r["n"], r["k"], r["rows"]) == (n, k, m))
+        return next(r["us"] for r in rows
+                    if (r["n"], r["k"], r["rows"], r["layout"]) == (n, k, m, "nk"))
 
     out = []
     for m in sorted({r["rows"] for r in rows}):
@@ -140,11 +152,11 @@ def table(shapes: dict, groups: dict, rows: list[dict], steps: list[dict],
         if fused_shape(shapes, members, 1) != fused_shape(shapes, members):
             names.setdefault(fused_shape(shapes, members, 1), []).append(f"{name} unaligned")
     lines = [f"device copy: {copy_gb_s:.0f} GB/s (read + write)", "",
-             "| shape | N×K | M | µs | GB/s | % copy |", "|" + "---|" * 6]
+             "| shape | N×K | layout | M | µs | GB/s | % copy |", "|" + "---|" * 7]
     for r in rows:
         lines.append(f"| {'+'.join(names[r['n'], r['k']])}{' (L2)' if r['l2_fits'] else ''} "
-                     f"| {r['n']}×{r['k']} | {r['rows']} | {r['us']} | {r['gb_s']} | "
-                     f"{100 * r['gb_s'] / copy_gb_s:.0f} |")
+                     f"| {r['n']}×{r['k']} | {r['layout']} | {r['rows']} | {r['us']} | "
+                     f"{r['gb_s']} | {100 * r['gb_s'] / copy_gb_s:.0f} |")
     lines += ["", "per decode step (µs, each shape × its count); per group, one call of its "
               "projections, separate / fused:", "",
               "| M | separate | groups fused | copy floor | " + " | ".join(groups) + " |",
@@ -161,6 +173,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda: real sizes; cpu: tiny sizes (smoke)")
     p.add_argument("--iters", type=int, default=20, help="timed samples per measurement")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["nk"],
+                   help="weight storage to time: nk (the model's, [N, K]; the per-step sums "
+                        "use it, so it is always timed) and kn (its transpose, x @ w)")
     p.add_argument("--out", help="JSON file for the results")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -181,7 +196,8 @@ def main() -> None:
     todo += [fused_shape(shapes, members, 1) for members in groups.values()]
     rows = []
     for n, k in dict.fromkeys(todo):
-        rows += bench_shape(n, k, ROWS[device.type], device, dtype, iters)
+        for layout in dict.fromkeys(["nk", *args.layouts]):
+            rows += bench_shape(n, k, ROWS[device.type], device, dtype, iters, layout)
         print(f"{n}×{k} done", flush=True)
     steps = per_step(shapes, groups, rows, copy_gb_s)
     print(table(shapes, groups, rows, steps, copy_gb_s))
