@@ -225,7 +225,7 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
     sizes = {"width": 16, "n_heads": 16, "n_tokens": 16, "window": 0}
     out = []
     extra = [(f" {la.split},{la.block_m},{la.block_n},{la.warps},{la.stages},"
-              f"{la.merge_chunk},{la.max_splits},{la.split_ratio},{int(la.prefetch)}", la)
+              f"{la.merge_chunk},{la.max_splits},{la.split_ratio}", la)
              for la in launches]
     for name, launch in (("", attention_triton.LAUNCH),
                          (", adaptive", attention_triton.ADAPTIVE_LAUNCH), *extra):
@@ -235,8 +235,7 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
                     {"PAGE": 16, "D": 256, "BLOCK_D": 256, "BLOCK_M": launch.block_m,
                      "BLOCK_N": launch.block_n, "SPLIT": launch.split,
                      "MAX_SPLITS": launch.max_splits, "RATIO": launch.split_ratio,
-                     "CAUSAL": True, "WINDOWED": False,
-                     "IEEE": False, "PREFETCH": launch.prefetch},
+                     "CAUSAL": True, "WINDOWED": False, "IEEE": False},
                     {"num_warps": launch.warps, "num_stages": launch.stages},
                     {**sizes, "stride_qt": 4096, "stride_qh": 256, "stride_kb": 8192,
                      "stride_kp": 512, "stride_kh": 256, "stride_vb": 8192, "stride_vp": 512,
@@ -331,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="variants whose name contains this")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--attention-launch", nargs="*", default=[],
-                   metavar="SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO[,PREFETCH]]]]",
+                   metavar="SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO]]]",
                    help="the attention's kernels at these launch shapes too (as "
                         "bench/round_attention.py --launch takes them)")
     args = p.parse_args(argv)

@@ -54,9 +54,7 @@ except ImportError:  # CPU-only installs
 @dataclass(frozen=True)
 class Launch:
     """The launch shape: `split` keys per split program, `block_m` rows and `block_n` keys per
-    step, `warps` and `stages` of the split kernel; `merge_chunk` splits per merge step;
-    `prefetch`: each step reads the next tile's K and V, and the page numbers of the tile
-    after it, before its own arithmetic (the same arithmetic in the same order)."""
+    step, `warps` and `stages` of the split kernel; `merge_chunk` splits per merge step."""
 
     split: int = 1024
     block_m: int = 32
@@ -73,15 +71,14 @@ class Launch:
     # grows as the square root of the key count (split_len² ≥ split_ratio · keys), so a wide
     # batch at mid context is not cut into max_splits partial results of a few keys each.
     split_ratio: int = 0
-    prefetch: bool = False
 
     @classmethod
     def parse(cls, text: str) -> Launch:
         """A launch from the benches' and tools' --launch text: the fields in order, comma
-        separated, split to stages required, the rest optional (prefetch 0 or 1)."""
+        separated, split to stages required, the rest optional (at most 8)."""
         values = [int(x) for x in text.split(",")]
         if len(values) > 8:
-            values[8] = bool(values[8])
+            raise ValueError(f"a launch takes at most 8 fields, {len(values)} given: {text!r}")
         return cls(*values)
 
 
@@ -198,7 +195,7 @@ if triton is not None:
                       PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                       MAX_SPLITS: tl.constexpr, RATIO: tl.constexpr, CAUSAL: tl.constexpr,
-                      WINDOWED: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr):
+                      WINDOWED: tl.constexpr, IEEE: tl.constexpr):
         tile, split, sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_kv = n_heads // group
         s, kvh = sk // n_kv, sk % n_kv
@@ -233,26 +230,12 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        if PREFETCH:  # while tile i is used: tile i + 1's K and V, tile i + 2's pages
-            page = _pages(Tables, s, start, hi, stride_tb, PAGE, BLOCK_N)
-            k, v = _kv_tile(K, V, page, start, hi, kvh, d, d_ok, stride_kb, stride_kp,
+        for k0 in range(start, hi, BLOCK_N):
+            page = _pages(Tables, s, k0, hi, stride_tb, PAGE, BLOCK_N)
+            k, v = _kv_tile(K, V, page, k0, hi, kvh, d, d_ok, stride_kb, stride_kp,
                             stride_kh, stride_vb, stride_vp, stride_vh, PAGE, BLOCK_N)
-            page = _pages(Tables, s, start + BLOCK_N, hi, stride_tb, PAGE, BLOCK_N)
-            for k0 in range(start, hi, BLOCK_N):
-                page_next = _pages(Tables, s, k0 + 2 * BLOCK_N, hi, stride_tb, PAGE, BLOCK_N)
-                k_next, v_next = _kv_tile(K, V, page, k0 + BLOCK_N, hi, kvh, d, d_ok,
-                                          stride_kb, stride_kp, stride_kh, stride_vb,
-                                          stride_vp, stride_vh, PAGE, BLOCK_N)
-                m_i, l_i, acc = _attend(q, k, v, k0, hi, q_pos, row_ok, m_i, l_i, acc, scale,
-                                        window, BLOCK_N, CAUSAL, WINDOWED, IEEE)
-                k, v, page = k_next, v_next, page_next
-        else:
-            for k0 in range(start, hi, BLOCK_N):
-                page = _pages(Tables, s, k0, hi, stride_tb, PAGE, BLOCK_N)
-                k, v = _kv_tile(K, V, page, k0, hi, kvh, d, d_ok, stride_kb, stride_kp,
-                                stride_kh, stride_vb, stride_vp, stride_vh, PAGE, BLOCK_N)
-                m_i, l_i, acc = _attend(q, k, v, k0, hi, q_pos, row_ok, m_i, l_i, acc, scale,
-                                        window, BLOCK_N, CAUSAL, WINDOWED, IEEE)
+            m_i, l_i, acc = _attend(q, k, v, k0, hi, q_pos, row_ok, m_i, l_i, acc, scale,
+                                    window, BLOCK_N, CAUSAL, WINDOWED, IEEE)
 
         # Acc [n_splits, T, Hq, D], Stat [n_splits, 2, T, Hq] (m, l), fp32
         at = (split * n_tokens + token) * n_heads + head
@@ -363,7 +346,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale, width, group, rows, n_heads, n_tokens, win,
         PAGE=page, D=dim, BLOCK_D=block_d, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         SPLIT=launch.split, MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio,
-        CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee, PREFETCH=launch.prefetch,
+        CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee,
         num_warps=launch.warps, num_stages=launch.stages)
     _merge_kernel[(n_tokens * n_heads,)](
         acc, stat, q_first, kv_lens, out, lse, out.stride(0), out.stride(1),

@@ -3,8 +3,7 @@ per-query fp64 reference: decode, verify blocks, several splits, the draft's non
 windowed blocks with their log-sum-exp, head dims that are not powers of two; pages out of
 order, stale NaN past each sequence's keys. Also: a query's result is the same bits alone
 (decode) as inside a block and whatever the other sequences are (what keeps speculative
-decoding equal to target-only decoding), and the same bits with Launch.prefetch as without.
-On CUDA also inside a CUDA graph.
+decoding equal to target-only decoding). On CUDA also inside a CUDA graph.
 
 Without CUDA the cases run in Triton's interpreter in one child process, this file run as a
 script (tests/target/triton_child.py says why)."""
@@ -35,10 +34,6 @@ ADAPTIVE = Launch(max_splits=4)
 # the square-root growth at a small ratio: at most min(8, split / 16) splits, so 64 keys a
 # split up to 256 keys, 128 up to 1024, then 8 splits at most
 RATIO = Launch(max_splits=8, split_ratio=16)
-# the same, each step reading the next tile's K and V (and the pages of the one after it)
-# before its arithmetic
-RATIO_PREFETCH = Launch(max_splits=8, split_ratio=16, prefetch=True)
-ADAPTIVE_PREFETCH = Launch(max_splits=4, prefetch=True)
 # name: (context lengths before the queries, W, Hq, Hkv, D, page, causal, window[, launch])
 CASES = {
     "decode": ([5, 17, 64], 1, 8, 2, 16, 4, True, None),
@@ -56,9 +51,6 @@ CASES = {
     "adaptive_window": ([900], 2, 2, 1, 16, 64, False, 300, ADAPTIVE),
     # 200 keys in 4 splits of 64, 700 in 6 of 128, 1500 in 6 of 256 (the bound of 8)
     "ratio_verify": ([194, 694, 1494], 6, 4, 2, 16, 16, True, None, RATIO),
-    # prefetching: splits of 1 to 4 tiles (the last tile's next one is past the split)
-    "prefetch_verify": ([194, 694, 1494], 6, 4, 2, 16, 16, True, None, RATIO_PREFETCH),
-    "prefetch_window": ([900], 2, 2, 1, 16, 64, False, 300, ADAPTIVE_PREFETCH),
 }
 
 
@@ -166,24 +158,6 @@ def invariance(device: str, launch: Launch | None = None) -> dict[str, int]:
     return out
 
 
-def prefetch_vs_plain(device: str) -> dict[str, int]:
-    """Elements (outputs and log-sum-exps) where a launch with prefetch differs from the same
-    launch without, over the prefetch cases' problems (fp32 and bf16 on CUDA, fp32 and fp16
-    in the interpreter)."""
-    out = {}
-    for name in ("prefetch_verify", "prefetch_window"):
-        lens, width, heads, kv_heads, dim, page, causal, window, launch = CASES[name]
-        plain = Launch(**{**launch.__dict__, "prefetch": False})
-        for dtype in DTYPES:
-            problem_ = problem(lens, width, heads, kv_heads, dim, page,
-                               dtype_on(dtype, device), device)
-            runs = [paged_attention(*problem_, dim**-0.5, causal=causal, window=window,
-                                    with_lse=True, launch=la) for la in (launch, plain)]
-            out[f"{name}/{dtype}"] = sum(int((a != b).sum()) for a, b in zip(*runs,
-                                                                              strict=True))
-    return out
-
-
 def model_differences() -> dict[str, float]:
     """fp32 end to end: the tiny demo target's verify logits (a round after a prefill, 3
     sequences) with rounds through the Triton kernel against the per-sequence reference; the
@@ -253,8 +227,7 @@ def test_split_keys_attention_equals_the_reference(errors, name, dtype):
     assert err < TOL[dtype]
 
 
-INVARIANCE_LAUNCHES = {"fixed": None, "adaptive": ADAPTIVE, "ratio": RATIO,
-                       "ratio_prefetch": RATIO_PREFETCH}
+INVARIANCE_LAUNCHES = {"fixed": None, "adaptive": ADAPTIVE, "ratio": RATIO}
 
 
 @pytest.mark.parametrize("splits", INVARIANCE_LAUNCHES)
@@ -264,11 +237,6 @@ def test_a_query_gets_the_same_bits_alone_in_a_block_and_in_a_batch(interpreted,
     else:
         got = invariance("cuda", INVARIANCE_LAUNCHES[splits])
     assert got == {"decode_vs_block": 0, "block_sizes": 0, "alone_vs_batch": 0}
-
-
-def test_prefetch_gives_the_bits_of_the_plain_launch(interpreted):
-    got = interpreted["prefetch"] if interpreted else prefetch_vs_plain("cuda")
-    assert got and not any(got.values()), got
 
 
 @pytest.mark.parametrize("what", ["target_round", "target_round_adaptive", "draft-full",
@@ -307,6 +275,13 @@ def test_the_partial_results_hold_every_split_of_a_sequence(launch):
                 assert got <= attention_triton.split_bound(launch, k), (launch, k)
 
 
+def test_a_launch_parses_from_at_most_8_fields():
+    assert Launch.parse("1024,32,64,4,2") == Launch()
+    assert Launch.parse("512,16,64,8,3,16,256,4") == Launch(512, 16, 64, 8, 3, 16, 256, 4)
+    with pytest.raises(ValueError, match="9 given"):
+        Launch.parse("1024,32,64,4,2,32,256,4,0")
+
+
 def test_available_only_where_the_kernels_can_run():
     assert attention_triton.available("cuda") == (attention_triton.triton is not None)
     assert attention_triton.available("cpu") is False  # this process has no interpreter
@@ -333,5 +308,4 @@ if __name__ == "__main__":  # the interpreter child (triton_child.run)
     print(json.dumps({"errors": triton_child.case_errors(CASES, DTYPES, case_error, "cpu"),
                       "invariance": {name: invariance("cpu", launch)
                                      for name, launch in INVARIANCE_LAUNCHES.items()},
-                      "prefetch": prefetch_vs_plain("cpu"),
                       "models": model_differences()}))
