@@ -48,24 +48,26 @@ def _moe_variants() -> list[Variant]:
     from target.kernels import moe_sorted, moe_triton
 
     hidden, inter = 2048, 512
-    pair_gate_up = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "h_ptr": "*bf16",
-                    "top_k": I32, "inter": I32, "hidden": I32, "stride_xt": I32,
-                    "stride_xh": I32, "stride_we": I32, "stride_wn": I32, "stride_wh": I32,
-                    "stride_it": I32, "stride_ik": I32}
-    pair_down = {"h_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "y_ptr": "*bf16",
-                 "top_k": I32, "hidden": I32, "inter": I32, "stride_we": I32,
+    pair_gate_up = {"x_ptr": "*bf16", "w_ptr": "*bf16", "shared_ptr": "*bf16",
+                    "ids_ptr": "*i64", "h_ptr": "*bf16", "top_k": I32, "inter": I32,
+                    "hidden": I32, "stride_xt": I32, "stride_xh": I32, "stride_we": I32,
+                    "stride_wn": I32, "stride_wh": I32, "stride_it": I32, "stride_ik": I32}
+    pair_down = {"h_ptr": "*bf16", "w_ptr": "*bf16", "shared_ptr": "*bf16", "ids_ptr": "*i64",
+                 "y_ptr": "*bf16", "top_k": I32, "hidden": I32, "inter": I32, "stride_we": I32,
                  "stride_wn": I32, "stride_wi": I32, "stride_it": I32, "stride_ik": I32}
     gu, dn = moe_triton.pair_blocks(hidden), moe_triton.pair_blocks(inter)
     experts = dict(top_k=8, inter=inter, hidden=hidden, stride_xt=hidden, stride_xh=1,
                    stride_it=8, stride_ik=1)
     out = [
         Variant("pairs gate_up", "target.kernels.moe_triton", "_gate_up_kernel", pair_gate_up,
-                {"BLOCK_N": gu.block_n, "BLOCK_K": gu.block_k, "PREFETCH": gu.prefetch},
+                {"BLOCK_N": gu.block_n, "BLOCK_K": gu.block_k, "PREFETCH": gu.prefetch,
+                 "SHARED": True},  # the engine's decode: the shared expert as a 9th slot
                 {"num_warps": gu.num_warps},
                 {**experts, "stride_we": 2 * inter * hidden, "stride_wn": hidden,
                  "stride_wh": 1}),
         Variant("pairs down", "target.kernels.moe_triton", "_down_kernel", pair_down,
-                {"BLOCK_N": dn.block_n, "BLOCK_K": dn.block_k, "PREFETCH": dn.prefetch},
+                {"BLOCK_N": dn.block_n, "BLOCK_K": dn.block_k, "PREFETCH": dn.prefetch,
+                 "SHARED": True},
                 {"num_warps": dn.num_warps},
                 {**experts, "stride_we": hidden * inter, "stride_wn": inter, "stride_wi": 1}),
     ]
