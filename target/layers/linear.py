@@ -134,9 +134,9 @@ def stacked_linear(x: torch.Tensor, stacked: torch.Tensor, rows: int,
     """x through the first `rows` rows of stack_rows' tensor: [T, rows], the padding's
     outputs dropped. One token (a decode at batch 1) multiplies by exactly those rows, a view
     that cuBLAS runs as a GEMV (4.5 µs on the H200 for the 35B's 1,281 rows, against 6.8
-    padded); more tokens by the rows up to a multiple of `align` (zero padding, or the next
-    layer's rows when `rows` is a prefix), which keeps them off a slow kernel (5.9 µs against
-    12.1 at 16 tokens)."""
+    padded); more tokens by the rows up to a multiple of `align` (the zero padding, or the
+    next part's first rows when `rows` ends inside the stack), which keeps them off a slow
+    kernel (5.9 µs against 12.1 at 16 tokens)."""
     padded = -(-rows // align) * align
     weight = stacked[:rows] if x.shape[0] == 1 else stacked[:padded]
     return F.linear(x, weight)[:, :rows]

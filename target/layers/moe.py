@@ -112,7 +112,7 @@ class FusedExperts(nn.Module):
         if shared is None:
             return fused.weighted_slot_sum(rows, topk_weights)
         out = MoEOutput(rows, topk_weights, shared, shared_gate)
-        return out if not combine else out.value()
+        return out.value() if combine else out
 
     def resolve(self, x: torch.Tensor, pairs: int) -> str:
         """The path a step of `pairs` (token, slot) pairs takes: `kernel`, or auto's choice."""
