@@ -8,13 +8,13 @@ Also the floor: the bytes of K/V read once over the measured bandwidth.
 
     python -m bench.round_attention [--keys 32768 131072] [--seqs 1 8] [--widths 1 16]
         [--forms gathered triton]
-        [--launch SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO]]] ...]
+        [--launch SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO[,SMALL_ROWS]]]] ...]
         [--out result.json]
 
 "triton" runs the engine's launch shape (KernelConfig.attention_launch()); --launch adds the
 Triton kernel at each given launch shape (target/kernels/attention_triton.py Launch; the last
-fields max_splits, 0 for the fixed split, and split_ratio, 0 for none) as a form
-"triton_<shape>", to choose the default.
+fields max_splits, 0 for the fixed split, split_ratio, 0 for none, and small_rows, 0 for
+none) as a form "triton_<shape>", to choose the default.
 
 Shapes: the 35B-A3B's full-attention layer at TP 1 (16 query heads over 2 kv heads of 256),
 bf16, pages of 16 in shuffled order, every sequence at the full context. Times are CUDA-graph
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--launch", nargs="*", default=[],
                    help="more Triton launch shapes: "
                         "split,block_m,block_n,warps,stages"
-                        "[,chunk[,max_splits[,split_ratio]]]")
+                        "[,chunk[,max_splits[,split_ratio[,small_rows]]]]")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out")

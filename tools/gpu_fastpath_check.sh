@@ -24,11 +24,10 @@
 #   attnsweep bench/round_attention.py: the Triton attention with the engine's adaptive splits
 #            (split² ≥ 4 · keys, at most 256), at most 128 and 32 splits alone, and the fixed
 #            split, at 512 to 128k keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
-#   attnlong bench/round_attention.py at 32k and 128k keys: the engine's launch against one
-#            change each (3 stages, 8 warps, 128-key steps, 16-row tiles, split_ratio 2: at
-#            128k 512-key splits) and 32-key steps at 2 and 3 stages, 1 and 8 sequences, 1 and
-#            16 queries: where a long-context decode's attention (~105 µs a layer at 128k
-#            against a 64 µs floor) can go
+#   attnlong bench/round_attention.py at 32k and 128k keys, 1 and 8 sequences, 1 and 16
+#            queries: the engine's launch against 16-row tiles for the launches whose rows fit
+#            (small_rows 16: a decode's) and for all (the fifteenth session's sweep of one-field
+#            changes is in docs/BENCHMARKS.md: only 16-row tiles beat the engine, at decode)
 #   midctx   bench/engine.py at 8,192 tokens of context, batch 1 and 8, B = 16, in one process:
 #            the defaults twice (the same-run spread), where the attention's split rule and the
 #            draft's context attention weigh more than at 512
@@ -113,12 +112,10 @@ attnsweep)  # "triton" is the engine's launch (adaptive splits); the --launch fi
     --launch 1024,32,64,4,2,32,0,0 1024,32,64,4,2,32,128,0 1024,32,64,4,2,32,32,0 \
     --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -20 ;;
 attnlong)  # the --launch fields: split, rows, keys per step, warps, stages, merge chunk,
-  # max_splits, split_ratio (the engine's: 1024,32,64,4,2,32,256,4)
+  # max_splits, split_ratio, small_rows (the engine's: 1024,32,64,4,2,32,256,4,0)
   timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention \
     --keys 32768 131072 --seqs 1 8 --widths 1 16 --forms triton \
-    --launch 1024,32,64,4,3,32,256,4 1024,32,64,8,2,32,256,4 1024,32,128,4,2,32,256,4 \
-             1024,16,64,4,2,32,256,4 1024,32,64,4,2,32,256,2 \
-             1024,32,32,4,2,32,256,4 1024,32,32,4,3,32,256,4 \
+    --launch 1024,32,64,4,2,32,256,4,16 1024,16,64,4,2,32,256,4 \
     --out "$OUT/round_attention_long.json" 2>&1 | tee "$OUT/round_attention_long.log" | tail -20 ;;
 midctx)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \

@@ -227,7 +227,7 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
     sizes = {"width": 16, "n_heads": 16, "n_tokens": 16, "window": 0}
     out = []
     extra = [(f" {la.split},{la.block_m},{la.block_n},{la.warps},{la.stages},"
-              f"{la.merge_chunk},{la.max_splits},{la.split_ratio}", la)
+              f"{la.merge_chunk},{la.max_splits},{la.split_ratio},{la.small_rows}", la)
              for la in launches]
     for name, launch in (("", attention_triton.LAUNCH),
                          (", adaptive", attention_triton.ADAPTIVE_LAUNCH), *extra):
@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="variants whose name contains this")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--attention-launch", nargs="*", default=[],
-                   metavar="SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO]]]",
+                   metavar="SPLIT,BM,BN,WARPS,STAGES"
+                           "[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO[,SMALL_ROWS]]]]",
                    help="the attention's kernels at these launch shapes too (as "
                         "bench/round_attention.py --launch takes them)")
     args = p.parse_args(argv)

@@ -54,7 +54,8 @@ except ImportError:  # CPU-only installs
 @dataclass(frozen=True)
 class Launch:
     """The launch shape: `split` keys per split program, `block_m` rows and `block_n` keys per
-    step, `warps` and `stages` of the split kernel; `merge_chunk` splits per merge step."""
+    step, `warps` and `stages` of the split kernel; `merge_chunk` splits per merge step;
+    `small_rows` a smaller tile for few rows."""
 
     split: int = 1024
     block_m: int = 32
@@ -71,14 +72,24 @@ class Launch:
     # grows as the square root of the key count (split_len² ≥ split_ratio · keys), so a wide
     # batch at mid context is not cut into max_splits partial results of a few keys each.
     split_ratio: int = 0
+    # 0, or the tile height of a launch whose rows (a sequence's queries × the query heads of
+    # a kv head) fit in it: a decode's 8 rows on Qwen3.5-35B-A3B in a 16-row tile rather than
+    # a quarter of a 32-row one. Per launch, so a decode and the verify block it matches run
+    # different tiles: the same arithmetic per row, but their sums may reduce across the
+    # tile's warps in another order (not the default until checked on CUDA).
+    small_rows: int = 0
+
+    def rows_tile(self, rows: int) -> int:
+        """The tile height of a launch of `rows` rows a sequence."""
+        return self.small_rows if 0 < rows <= self.small_rows else self.block_m
 
     @classmethod
     def parse(cls, text: str) -> Launch:
         """A launch from the benches' and tools' --launch text: the fields in order, comma
-        separated, split to stages required, the rest optional (at most 8)."""
+        separated, split to stages required, the rest optional (at most 9)."""
         values = [int(x) for x in text.split(",")]
-        if len(values) > 8:
-            raise ValueError(f"a launch takes at most 8 fields, {len(values)} given: {text!r}")
+        if len(values) > 9:
+            raise ValueError(f"a launch takes at most 9 fields, {len(values)} given: {text!r}")
         return cls(*values)
 
 
@@ -339,12 +350,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q_first, kv_lens = q_first.to(torch.int32), kv_lens.to(torch.int32)
     win = window if window is not None else 0
     ieee = q.dtype == torch.float32
-    _split_kernel[(triton.cdiv(rows, launch.block_m), n_splits, n_seqs * kv_heads)](
+    block_m = launch.rows_tile(rows)
+    _split_kernel[(triton.cdiv(rows, block_m), n_splits, n_seqs * kv_heads)](
         q, k_cache, v_cache, block_tables, q_first, kv_lens, acc, stat,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale, width, group, rows, n_heads, n_tokens, win,
-        PAGE=page, D=dim, BLOCK_D=block_d, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        PAGE=page, D=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=launch.block_n,
         SPLIT=launch.split, MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio,
         CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee,
         num_warps=launch.warps, num_stages=launch.stages)

@@ -34,6 +34,9 @@ ADAPTIVE = Launch(max_splits=4)
 # the square-root growth at a small ratio: at most min(8, split / 16) splits, so 64 keys a
 # split up to 256 keys, 128 up to 1024, then 8 splits at most
 RATIO = Launch(max_splits=8, split_ratio=16)
+# 16-row tiles where a sequence's rows (queries × query heads per kv head) fit: a decode's
+# rows here, not a block's
+SMALL = Launch(max_splits=4, small_rows=16)
 # name: (context lengths before the queries, W, Hq, Hkv, D, page, causal, window[, launch])
 CASES = {
     "decode": ([5, 17, 64], 1, 8, 2, 16, 4, True, None),
@@ -51,6 +54,10 @@ CASES = {
     "adaptive_window": ([900], 2, 2, 1, 16, 64, False, 300, ADAPTIVE),
     # 200 keys in 4 splits of 64, 700 in 6 of 128, 1500 in 6 of 256 (the bound of 8)
     "ratio_verify": ([194, 694, 1494], 6, 4, 2, 16, 16, True, None, RATIO),
+    # 4 rows a sequence in 16-row tiles; a block of 6 × 2 rows in them too, 6 × 4 in 32-row
+    "small_rows_decode": ([5, 17, 300], 1, 8, 2, 16, 4, True, None, SMALL),
+    "small_rows_verify": ([0, 130, 1000], 6, 2, 1, 16, 16, True, None, SMALL),
+    "small_rows_block": ([3, 70], 6, 8, 2, 16, 16, True, None, SMALL),
 }
 
 
@@ -227,7 +234,7 @@ def test_split_keys_attention_equals_the_reference(errors, name, dtype):
     assert err < TOL[dtype]
 
 
-INVARIANCE_LAUNCHES = {"fixed": None, "adaptive": ADAPTIVE, "ratio": RATIO}
+INVARIANCE_LAUNCHES = {"fixed": None, "adaptive": ADAPTIVE, "ratio": RATIO, "small": SMALL}
 
 
 @pytest.mark.parametrize("splits", INVARIANCE_LAUNCHES)
@@ -275,11 +282,18 @@ def test_the_partial_results_hold_every_split_of_a_sequence(launch):
                 assert got <= attention_triton.split_bound(launch, k), (launch, k)
 
 
-def test_a_launch_parses_from_at_most_8_fields():
+def test_a_launch_parses_from_at_most_9_fields():
     assert Launch.parse("1024,32,64,4,2") == Launch()
     assert Launch.parse("512,16,64,8,3,16,256,4") == Launch(512, 16, 64, 8, 3, 16, 256, 4)
-    with pytest.raises(ValueError, match="9 given"):
-        Launch.parse("1024,32,64,4,2,32,256,4,0")
+    assert Launch.parse("1024,32,64,4,2,32,256,4,16") == Launch(max_splits=256,
+                                                               split_ratio=4, small_rows=16)
+    with pytest.raises(ValueError, match="10 given"):
+        Launch.parse("1024,32,64,4,2,32,256,4,16,0")
+
+
+def test_small_rows_tiles_only_the_launches_whose_rows_fit():
+    assert [SMALL.rows_tile(r) for r in (1, 8, 16, 17, 128)] == [16, 16, 16, 32, 32]
+    assert attention_triton.ADAPTIVE_LAUNCH.rows_tile(8) == 32  # off in the models
 
 
 def test_available_only_where_the_kernels_can_run():
