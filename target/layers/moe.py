@@ -183,10 +183,15 @@ class SparseMoE(nn.Module):
         logits, shared_gate, gate_up = y.split(self.in_sizes, dim=-1)  # [T, E], [T, 1], [T, 2·I/tp]
         topk_weights, topk_ids = route(logits, self.top_k, x.dtype)  # [T, k]
         shared = self.shared_expert.down_proj(fused.silu_mul(gate_up))
-        # TP 1: no all-reduce, so the combine is left to the next norm (MoEOutput)
-        out = self.experts(x, topk_ids, topk_weights, shared, shared_gate,
-                           combine=self.tp.size > 1)
-        return out if isinstance(out, MoEOutput) else all_reduce(out, self.tp)
+        return self._output(self.experts(x, topk_ids, topk_weights, shared, shared_gate,
+                                         combine=False))
+
+    def _output(self, out: torch.Tensor | MoEOutput) -> torch.Tensor | MoEOutput:
+        """At TP 1 the output as it comes (uncombined, a MoEOutput, from the kernel paths: the
+        next norm combines it); above, combined and all-reduced."""
+        if self.tp.size == 1:
+            return out
+        return all_reduce(out.value() if isinstance(out, MoEOutput) else out, self.tp)
 
     def _pairs_with_shared(self, x: torch.Tensor, route) -> torch.Tensor | MoEOutput:
         """The router and the shared-expert gate (the first E + 1 rows of in_proj), then the
@@ -197,8 +202,8 @@ class SparseMoE(nn.Module):
         shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight)
         rows = pair_experts(x, self.experts.gate_up_proj, self.experts.down_proj, topk_ids,
                             topk_weights, reduce=False, shared=shared)  # [T, k + 1, H]
-        out = MoEOutput(rows[:, : self.top_k], topk_weights, rows[:, self.top_k], shared_gate)
-        return out if self.tp.size == 1 else all_reduce(out.value(), self.tp)
+        return self._output(MoEOutput(rows[:, : self.top_k], topk_weights, rows[:, self.top_k],
+                                      shared_gate))
 
 
 class SharedExpert(nn.Module):
