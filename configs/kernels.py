@@ -120,7 +120,8 @@ class KernelConfig:
 
     def attention_launch(self):
         """The Triton attention's launch shape in the models (attention_triton.ADAPTIVE_LAUNCH:
-        each sequence's keys split by its length, split² ≥ 4 · keys, at most 256 splits)."""
+        each sequence's keys split by its length, split² ≥ 4 · keys, at most 256 splits; 16-row
+        tiles for a launch whose rows fit, as a decode's)."""
         from target.kernels import attention_triton
 
         return attention_triton.ADAPTIVE_LAUNCH

@@ -15,7 +15,8 @@
 #        httpx2, httpcore2, truststore, jiter, sniffio, h11, distro, prometheus_client
 #        OUT=/some/dir bash tools/gpu_control_plane_check.sh [tests inproc cluster hops serve]
 # (timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SERVE_TIMEOUT seconds; BENCH_ITERS, SERVE_PROMPTS;
-#  SERVE_ONLY=spec skips the AR server)
+#  SERVE_ONLY=spec skips the AR server; SERVE_ARGS adds serve flags, e.g. "--max-model-len 32768"
+#  where the model's full context does not fit the card, as on an 80 GB H100)
 set -u
 OUT=${OUT:-/tmp/gpu_control_plane_check}; mkdir -p "$OUT"
 . tools/device_env.sh  # .whl/ → /tmp/site, PYTHONPATH
@@ -35,7 +36,7 @@ serve_and_measure() {  # name, extra serve flags
     > /dev/null
   local t0=$SECONDS
   timeout ${SERVE_TIMEOUT:-420} python3 -m deploy.cli serve --model $dirs/target "$@" \
-    --load-format dummy --tp 1 --device cuda --port $port --served-model-name dummy \
+    --load-format dummy --tp 1 --device cuda --port $port --served-model-name dummy ${SERVE_ARGS:-} \
     > "$OUT/serve_$name.log" 2>&1 &
   for _ in $(seq 300); do sleep 1; grep -q "Ctrl-C\|Error\|error:" "$OUT/serve_$name.log" && break; done
   echo "$name: ready after $((SECONDS - t0)) s" | tee -a "$OUT/serve_times.txt"
