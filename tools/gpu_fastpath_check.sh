@@ -61,7 +61,7 @@ kernels)  # the Triton kernels' tests that run in the interpreter on CPU, here o
     tests/target/test_gdn_slots.py tests/target/test_gdn_prologue.py \
     tests/target/test_qk_rope_triton.py tests/target/test_moe_triton.py \
     tests/target/test_moe_sorted.py tests/target/test_moe_route.py \
-    > "$OUT/gpu_kernel_tests.txt" 2>&1
+    tests/target/test_linear_triton.py > "$OUT/gpu_kernel_tests.txt" 2>&1
   tail -4 "$OUT/gpu_kernel_tests.txt" ;;
 moetests)
   gpu_pytest ${TESTS_TIMEOUT:-240} -q -p no:cacheprovider -p no:logging -rfE \
