@@ -141,17 +141,22 @@ def fused_shape(shapes: dict, members: tuple[str, ...], align: int = 8) -> tuple
 
 def per_step(shapes: dict, groups: dict, rows: list[dict], copy_gb_s: float) -> list[dict]:
     """Per M: µs of one decode step's dense projections as they run now ("separate"), with
-    every group as one GEMM ("fused"), and the copy floor; per group, one call of its
-    projections separate and fused."""
-    def us(n: int, k: int, m: int) -> float:
-        return next(r["us"] for r in rows
-                    if (r["n"], r["k"], r["rows"], r["layout"]) == (n, k, m, "nk"))
+    every group as one GEMM ("fused"), each separate through the few-row Triton kernel in the
+    model's tile ("triton", where it was timed: M ≤ its MAX_ROWS) and the copy floor; per
+    group, one call of its projections separate and fused."""
+    def us(n: int, k: int, m: int, layout: str = "nk") -> float | None:
+        return next((r["us"] for r in rows
+                     if (r["n"], r["k"], r["rows"], r["layout"]) == (n, k, m, layout)), None)
 
     out = []
     for m in sorted({r["rows"] for r in rows}):
         separate = sum(count * us(n, k, m) for n, k, count in shapes.values())
         step = {"rows": m, "separate": separate, "fused": separate, "copy_floor": sum(
             count * n * k * 2 / copy_gb_s / 1e3 for n, k, count in shapes.values())}
+        triton = [us(n, k, m, "triton default") for n, k, _ in shapes.values()]
+        if None not in triton:  # every projection separate, through the few-row kernel
+            step["triton"] = sum(c * t for (_, _, c), t in zip(shapes.values(), triton,
+                                                              strict=True))
         for name, members in groups.items():
             (count,) = {shapes[p][2] for p in members}
             alone = sum(us(*shapes[p][:2], m) for p in members)
@@ -179,10 +184,11 @@ def table(shapes: dict, groups: dict, rows: list[dict], steps: list[dict],
                      f"{r['gb_s']} | {100 * r['gb_s'] / copy_gb_s:.0f} |")
     lines += ["", "per decode step (µs, each shape × its count); per group, one call of its "
               "projections, separate / fused:", "",
-              "| M | separate | groups fused | copy floor | " + " | ".join(groups) + " |",
-              "|---|---|---|---|" + "---|" * len(groups)]
+              "| M | separate | groups fused | separate, Triton default tile | copy floor | "
+              + " | ".join(groups) + " |", "|---|---|---|---|---|" + "---|" * len(groups)]
     for s in steps:
-        lines.append(f"| {s['rows']} | {s['separate']} | {s['fused']} | {s['copy_floor']} | "
+        lines.append(f"| {s['rows']} | {s['separate']} | {s['fused']} | "
+                     f"{s.get('triton', '-')} | {s['copy_floor']} | "
                      + " | ".join(f"{s[g]['separate']} / {s[g]['fused']}" for g in groups)
                      + " |")
     return "\n".join(lines)

@@ -17,7 +17,12 @@
 #            shapes each, the pairs' with and without prefetch) against the grouped GEMMs,
 #            1-128 tokens (MOE_ARGS: more arguments, e.g. "--kinds pair --tokens 1 2 4")
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
-#            input as one GEMM, 1-16 rows
+#            input as one GEMM, 1-16 rows, through cuBLAS and through the few-row Triton
+#            kernel (target/kernels/linear_triton.py) in the model's tile and a few others
+#            (LINEAR_TILES: block_n,block_k,warps,stages each, or "default")
+#   linearab bench/engine.py at batch 1, B = 16, at 512 and 131,072 tokens of context, in one
+#            process: the defaults (cuBLAS), the few-row kernel (linear=triton), the defaults
+#            again (the spread)
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
 #            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
 #            commit, 1 and 8 sequences
@@ -25,9 +30,9 @@
 #            (split² ≥ 4 · keys, at most 256), at most 128 and 32 splits alone, and the fixed
 #            split, at 512 to 128k keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
 #   attnlong bench/round_attention.py at 32k and 128k keys, 1 and 8 sequences, 1 and 16
-#            queries: the engine's launch against 16-row tiles for the launches whose rows fit
-#            (small_rows 16: a decode's) and for all (the fifteenth session's sweep of one-field
-#            changes is in docs/BENCHMARKS.md: only 16-row tiles beat the engine, at decode)
+#            queries: the engine's launch (16-row tiles for the launches whose rows fit, a
+#            decode's) against 32-row tiles for all and 16-row tiles for all (the fifteenth
+#            session's sweep of one-field changes is in docs/BENCHMARKS.md)
 #   midctx   bench/engine.py at 8,192 tokens of context, batch 1 and 8, B = 16, in one process:
 #            the defaults twice (the same-run spread), where the attention's split rule and the
 #            draft's context attention weigh more than at 512
@@ -100,8 +105,16 @@ moe)
   timeout ${MOE_TIMEOUT:-240} python3 -m bench.moe_kernel --device cuda --out "$OUT/moe_kernel.json" \
     ${MOE_ARGS:-} 2>&1 | tee "$OUT/moe_kernel.log" | tail -40 ;;
 linear)
-  timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda \
-    --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" | tail -12 ;;
+  timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda --iters 10 \
+    --tiles ${LINEAR_TILES:-default 32,256,4,3 16,512,4,3 64,128,8,3 16,128,4,6} \
+    --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" | grep -v "done$" \
+    | grep -E "^\| (M|1|16) |triton default|^device" | head -60 ;;
+linearab)
+  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
+    --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 --block-sizes 16 --no-baseline \
+    --prompt-len 512 131072 --iters 5 --warmup 2 --variants linear=triton linear=torch \
+    --out "$OUT/engine_linear.json" 2>&1 | tee "$OUT/engine_linear.log" \
+    | grep -v "falling back" | grep "^|" ;;
 gdn)
   timeout ${GDN_TIMEOUT:-240} python3 -m bench.gdn_kernel --device cuda \
     --out "$OUT/gdn_kernel.json" 2>&1 | tee "$OUT/gdn_kernel.log" | tail -40 ;;
@@ -112,10 +125,10 @@ attnsweep)  # "triton" is the engine's launch (adaptive splits); the --launch fi
     --launch 1024,32,64,4,2,32,0,0 1024,32,64,4,2,32,128,0 1024,32,64,4,2,32,32,0 \
     --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -20 ;;
 attnlong)  # the --launch fields: split, rows, keys per step, warps, stages, merge chunk,
-  # max_splits, split_ratio, small_rows (the engine's: 1024,32,64,4,2,32,256,4,0)
+  # max_splits, split_ratio, small_rows (the engine's: 1024,32,64,4,2,32,256,4,16)
   timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention \
     --keys 32768 131072 --seqs 1 8 --widths 1 16 --forms triton \
-    --launch 1024,32,64,4,2,32,256,4,16 1024,16,64,4,2,32,256,4 \
+    --launch 1024,32,64,4,2,32,256,4,0 1024,16,64,4,2,32,256,4 \
     --out "$OUT/round_attention_long.json" 2>&1 | tee "$OUT/round_attention_long.log" | tail -20 ;;
 midctx)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \

@@ -226,6 +226,7 @@ def test_linear_kernel_bench_times_cublas_and_the_triton_tiles(tmp_path):
                     } <= layouts
     tiles = [row for row in r["rows"] if row["layout"].startswith("triton")]
     assert all(row["us"] > 0 and row["rel_err_eps"] <= 1.0 for row in tiles), tiles
+    assert all(step["triton"] > 0 for step in r["per_step"]), r["per_step"]
 
 
 def test_runner_overhead_bench_times_every_runner_call():
