@@ -29,6 +29,15 @@ def test_too_little_memory_names_what_to_change():
                           bytes_per_page=MiB, bytes_per_slot=MiB)
     with pytest.raises(ValueError, match="max_model_len or max_num_seqs.*gpu_memory_utilization"):
         plan_num_blocks([tight], num_slots=4, min_blocks=16)
+    roomy = MemoryProfile("gpu1", cache_budget=4096 * MiB, activation_peak=0,
+                          bytes_per_page=MiB, bytes_per_slot=MiB)
+    # the figures are the tightest GPU's: what its budget went to, and what one sequence needs
+    with pytest.raises(ValueError) as info:
+        plan_num_blocks([roomy, tight], num_slots=4, min_blocks=16)
+    assert ("holds 6 KV pages; one full-length sequence needs 16. On GPU gpu0: 0.05 GiB left "
+            "within gpu_memory_utilization once the weights were loaded, 0.04 GiB of activation "
+            "peaks, 0.00 GiB for 4 state slots (max_num_seqs; 1.0 MiB each), and a full-length "
+            "sequence's pages take 0.02 GiB") in str(info.value)
 
 
 def test_cpu_plans_without_measuring_and_gpu_plans_measure(tiny_demo):
