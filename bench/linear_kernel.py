@@ -9,9 +9,6 @@ runs them now, and with each group fused.
     python -m bench.linear_kernel --device cuda --out linear_kernel.json
     python -m bench.linear_kernel --device cpu   # smoke check: tiny sizes
     python -m bench.linear_kernel --device cuda --layouts nk kn   # and each weight transposed
-    python -m bench.linear_kernel --device cuda --tiles 16,256,4,4 32,128,4,4
-        # and target/kernels/linear_triton.py's kernel at M ≤ its MAX_ROWS, in each tile
-        # (block_n, block_k, warps, stages); "default" is the model's tile_for
 
 Real sizes, bf16, rows M in ROWS. A shape's weight exists in enough copies (ROTATE_BYTES
 together, about 5× the 50 MB L2, at most MAX_COPIES) that consecutive calls read different
@@ -47,7 +44,6 @@ REAL = {
     "shared_down": (2048, 512, 40),
     "router": (256, 2048, 40),
     "shared_gate": (1, 2048, 40),
-    "lm_head": (248320, 2048, 1),
 }
 SMALL = {"a": (40, 48, 1), "b": (96, 200, 2), "c": (8, 48, 1)}
 # Projections that read the same input: one GEMM over their stacked weights can replace them.
@@ -92,31 +88,19 @@ LAYOUTS = ("nk", "kn")
 
 def bench_shape(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype,
                 iters: int, layout: str = "nk") -> list[dict]:
-    """F.linear with an N × K weight at each M (`layout` "kn": x @ a [K, N] weight; a
-    "triton …" layout: linear_triton.skinny_linear in that tile, "triton default" in the
-    model's, at M ≤ MAX_ROWS)."""
+    """F.linear with an N × K weight at each M (`layout` "kn": x @ a [K, N] weight)."""
     nbytes = n * k * dtype.itemsize
     if device.type == "cuda":
         copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // nbytes)))
         num_calls = max(copies, MIN_CALLS)
     else:
         copies = num_calls = 2
-    shape = (k, n) if layout == "kn" else (n, k)
+    shape = (n, k) if layout == "nk" else (k, n)
     weights = [torch.randn(*shape, device=device, dtype=dtype) * k**-0.5 for _ in range(copies)]
     out = []
-    if layout.startswith("triton"):
-        from target.kernels import linear_triton
-
-        tile = layout.split()[1]
-        tile = linear_triton.tile_for(n, k) if tile == "default" else linear_triton.Tile.parse(
-            tile)
-        rows = [m for m in rows if m <= linear_triton.MAX_ROWS]
     for m in rows:
         x = torch.randn(m, k, device=device, dtype=dtype)
-        if layout.startswith("triton"):
-            calls = [lambda x=x, w=weights[i % copies]: linear_triton.skinny_linear(x, w, tile)
-                     for i in range(num_calls)]
-        elif layout == "nk":
+        if layout == "nk":
             calls = [lambda x=x, w=weights[i % copies]: F.linear(x, w) for i in range(num_calls)]
         else:
             calls = [lambda x=x, w=weights[i % copies]: x @ w for i in range(num_calls)]
@@ -124,10 +108,6 @@ def bench_shape(n: int, k: int, rows: list[int], device: torch.device, dtype: to
         out.append({"n": n, "k": k, "rows": m, "layout": layout, "copies": copies,
                     "l2_fits": device.type == "cuda" and copies * nbytes <= L2_BYTES,
                     "us": round(us, 2), "gb_s": round(nbytes / us / 1e3, 1)})
-        if layout.startswith("triton"):  # against fp32 F.linear, in the dtype's eps at the max
-            want = F.linear(x.float(), weights[0].float())
-            err = (calls[0]().float() - want).abs().max() / want.abs().max()
-            out[-1]["rel_err_eps"] = round((err / torch.finfo(dtype).eps).item(), 3)
     del weights
     return out
 
@@ -141,22 +121,17 @@ def fused_shape(shapes: dict, members: tuple[str, ...], align: int = 8) -> tuple
 
 def per_step(shapes: dict, groups: dict, rows: list[dict], copy_gb_s: float) -> list[dict]:
     """Per M: µs of one decode step's dense projections as they run now ("separate"), with
-    every group as one GEMM ("fused"), each separate through the few-row Triton kernel in the
-    model's tile ("triton", where it was timed: M ≤ its MAX_ROWS) and the copy floor; per
-    group, one call of its projections separate and fused."""
-    def us(n: int, k: int, m: int, layout: str = "nk") -> float | None:
-        return next((r["us"] for r in rows
-                     if (r["n"], r["k"], r["rows"], r["layout"]) == (n, k, m, layout)), None)
+    every group as one GEMM ("fused"), and the copy floor; per group, one call of its
+    projections separate and fused."""
+    def us(n: int, k: int, m: int) -> float:
+        return next(r["us"] for r in rows
+                    if (r["n"], r["k"], r["rows"], r["layout"]) == (n, k, m, "nk"))
 
     out = []
     for m in sorted({r["rows"] for r in rows}):
         separate = sum(count * us(n, k, m) for n, k, count in shapes.values())
         step = {"rows": m, "separate": separate, "fused": separate, "copy_floor": sum(
             count * n * k * 2 / copy_gb_s / 1e3 for n, k, count in shapes.values())}
-        triton = [us(n, k, m, "triton default") for n, k, _ in shapes.values()]
-        if None not in triton:  # every projection separate, through the few-row kernel
-            step["triton"] = sum(c * t for (_, _, c), t in zip(shapes.values(), triton,
-                                                              strict=True))
         for name, members in groups.items():
             (count,) = {shapes[p][2] for p in members}
             alone = sum(us(*shapes[p][:2], m) for p in members)
@@ -184,11 +159,10 @@ def table(shapes: dict, groups: dict, rows: list[dict], steps: list[dict],
                      f"{r['gb_s']} | {100 * r['gb_s'] / copy_gb_s:.0f} |")
     lines += ["", "per decode step (µs, each shape × its count); per group, one call of its "
               "projections, separate / fused:", "",
-              "| M | separate | groups fused | separate, Triton default tile | copy floor | "
-              + " | ".join(groups) + " |", "|---|---|---|---|---|" + "---|" * len(groups)]
+              "| M | separate | groups fused | copy floor | " + " | ".join(groups) + " |",
+              "|---|---|---|---|" + "---|" * len(groups)]
     for s in steps:
-        lines.append(f"| {s['rows']} | {s['separate']} | {s['fused']} | "
-                     f"{s.get('triton', '-')} | {s['copy_floor']} | "
+        lines.append(f"| {s['rows']} | {s['separate']} | {s['fused']} | {s['copy_floor']} | "
                      + " | ".join(f"{s[g]['separate']} / {s[g]['fused']}" for g in groups)
                      + " |")
     return "\n".join(lines)
@@ -202,10 +176,6 @@ def main() -> None:
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["nk"],
                    help="weight storage to time: nk (the model's, [N, K]; the per-step sums "
                         "use it, so it is always timed) and kn (its transpose, x @ w)")
-    p.add_argument("--tiles", nargs="*", default=[],
-                   help="also time linear_triton.skinny_linear in these tiles "
-                        "(block_n,block_k,warps,stages; 'default': the model's), M ≤ its "
-                        "MAX_ROWS; on CPU it runs in Triton's interpreter (TRITON_INTERPRET=1)")
     p.add_argument("--out", help="JSON file for the results")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -216,9 +186,7 @@ def main() -> None:
 
     shapes = REAL if device.type == "cuda" else SMALL
     groups = GROUPS[device.type]
-    # the Triton kernel takes bf16/fp16 only: fp16 on CPU, numpy's own half type
-    dtype = (torch.bfloat16 if device.type == "cuda" else
-             torch.float16 if args.tiles else torch.float32)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     iters = args.iters if device.type == "cuda" else min(args.iters, 2)
     copy_gb_s = measure_bandwidth(device, (2 << 30) if device.type == "cuda" else (64 << 20))
     copy_gb_s /= 1e9
@@ -228,7 +196,7 @@ def main() -> None:
     todo += [fused_shape(shapes, members, 1) for members in groups.values()]
     rows = []
     for n, k in dict.fromkeys(todo):
-        for layout in dict.fromkeys(["nk", *args.layouts, *(f"triton {t}" for t in args.tiles)]):
+        for layout in dict.fromkeys(["nk", *args.layouts]):
             rows += bench_shape(n, k, ROWS[device.type], device, dtype, iters, layout)
         print(f"{n}×{k} done", flush=True)
     steps = per_step(shapes, groups, rows, copy_gb_s)

@@ -49,12 +49,6 @@ GDN_RECURRENCE = ("auto", "fla", "slots")
 # the gated output norm one program per token and head); "auto" is triton on CUDA with the
 # slots recurrence, torch elsewhere.
 GDN_PROLOGUE = ("auto", "torch", "triton")
-# The target's dense projections (target/layers/linear.py project): "triton"
-# (target/kernels/linear_triton.py: one launch per projection of up to 16 rows, bf16/fp16;
-# more rows, and fp32, stay on cuBLAS) or "torch" (F.linear: cuBLAS). "auto" is torch on
-# every device until the kernel has been timed on a GPU against cuBLAS (docs/BENCHMARKS.md,
-# "Next GPU calls"): a variant, `bench.engine --variants linear=triton`.
-LINEAR_BACKENDS = ("auto", "torch", "triton")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -95,7 +89,6 @@ class KernelConfig:
     gdn_rounds: str = "batched"  # GDN_ROUNDS
     gdn_recurrence: str = "auto"  # GDN_RECURRENCE
     gdn_prologue: str = "auto"  # GDN_PROLOGUE
-    linear: str = "auto"  # LINEAR_BACKENDS
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
     # functions are shared by every model in the process.
@@ -109,7 +102,6 @@ class KernelConfig:
         _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
         _check("gdn_recurrence", self.gdn_recurrence, GDN_RECURRENCE)
         _check("gdn_prologue", self.gdn_prologue, GDN_PROLOGUE)
-        _check("linear", self.linear, LINEAR_BACKENDS)
 
     def attention_kernel(self, device: torch.device | str) -> str:
         """The resolved attention on this device: "triton" or "torch". "auto" takes triton on
@@ -182,15 +174,6 @@ class KernelConfig:
             if not slots:
                 raise ValueError("gdn_prologue 'triton' needs gdn_recurrence 'slots'")
         return self.gdn_prologue
-
-    def linear_kernel(self, device: torch.device | str) -> str:
-        """linear resolved on this device: "triton" (asked for: needs Triton and CUDA, or
-        TRITON_INTERPRET=1) or "torch" ("auto": LINEAR_BACKENDS says why)."""
-        from target.kernels import linear_triton
-
-        if self.linear == "auto":
-            return "torch"
-        return _triton_or(self.linear, "linear", linear_triton, device, "torch")
 
     def round_attention(self, device: torch.device | str, graphs: bool) -> str:
         """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";

@@ -13,7 +13,6 @@ from target.kernels import fused
 from target.layers.attention import GatedAttention, set_round_attention
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.layers.gdn import GatedDeltaNet
-from target.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from target.layers.moe import MoEOutput, SparseMoE
 from target.layers.norm import RMSNorm
 from target.layers.rotary import RotaryEmbedding
@@ -82,19 +81,14 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         experts = kernels.experts_kernel(device)
         launch = kernels.attention_launch()
         attention_prologue = kernels.attention_prologue_kernel(device)
-        linear = kernels.linear_kernel(device)
         for m in self.modules():
-            if isinstance(m, (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear,
-                              ParallelLMHead)):
-                m.kernel = linear
             if isinstance(m, GatedAttention):
                 m.triton_launch, m.prologue = launch, attention_prologue
-                m.linear_kernel = linear
             elif isinstance(m, GatedDeltaNet):
                 m.batched_rounds = kernels.gdn_rounds == "batched"
                 m.recurrence, m.prologue = recurrence, gdn_prologue
             elif isinstance(m, SparseMoE):
-                m.routing, m.linear_kernel = routing, linear
+                m.routing = routing
                 m.experts.kernel = experts
         fused.enable(kernels.compiles_elementwise(graphs))
 

@@ -41,7 +41,6 @@ class GatedAttention(nn.Module):
         # the q/k norms, RoPE and cache writes (KernelConfig.attention_prologue): "torch" or
         # "triton" (target/kernels/qk_rope_triton.py)
         self.prologue = "torch"
-        self.linear_kernel = "torch"  # KernelConfig.linear, resolved: the q/k/v GEMM's kernel
         self.layer_idx = layer_idx
         self.head_dim = d = cfg.head_dim
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
@@ -65,7 +64,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, caches: TargetCaches) -> torch.Tensor:
         t = x.shape[0]
-        qkv = stacked_linear(x, self.qkv_proj, sum(self.qkv_sizes), kernel=self.linear_kernel)
+        qkv = stacked_linear(x, self.qkv_proj, sum(self.qkv_sizes))
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = k.view(t, self.num_kv_heads, self.head_dim)

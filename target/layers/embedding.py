@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from target.distributed import TPGroup, all_gather_last_dim, all_reduce
-from target.layers.linear import project
 from target.weights import WeightSource, copy_into, expect_shape
 
 
@@ -42,9 +41,6 @@ class VocabParallelEmbedding(_VocabShard):
 
 
 class ParallelLMHead(_VocabShard):
-    kernel = "torch"  # KernelConfig.linear, resolved: linear.project's kernel
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = project(hidden, self.weight, self.kernel)  # [T, V/tp]
-        logits = all_gather_last_dim(local, self.tp)  # [T, tp·V/tp]
+        logits = all_gather_last_dim(F.linear(hidden, self.weight), self.tp)  # [T, tp·V/tp]
         return logits[..., : self.vocab_size]

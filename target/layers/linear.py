@@ -11,17 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from target.distributed import TPGroup, all_reduce
-from target.kernels import linear_triton
 from target.weights import WeightSource, copy_into, expect_shape
-
-
-def project(x: torch.Tensor, weight: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
-    """F.linear(x, weight); with kernel "triton" (KernelConfig.linear) the few-row kernel
-    (target/kernels/linear_triton.py) wherever it takes the product: up to its MAX_ROWS rows
-    (decode steps, small verify blocks), bf16/fp16. Other products stay on cuBLAS."""
-    if kernel == "triton" and linear_triton.available(x, weight):
-        return linear_triton.skinny_linear(x, weight)
-    return F.linear(x, weight)
 
 
 class ReplicatedLinear(nn.Module):
@@ -29,14 +19,13 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
-        self.kernel = "torch"  # KernelConfig.linear, resolved: project's kernel
 
     def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id=None) -> None:
         expect_shape(src, tuple(param.shape))
         copy_into(param.data, src.read(), src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.kernel)
+        return F.linear(x, self.weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -67,7 +56,6 @@ class ColumnParallelLinear(nn.Module):
         local_out = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(local_out, in_features, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
-        self.kernel = "torch"  # KernelConfig.linear, resolved: project's kernel
 
     def weight_loader(self, param: nn.Parameter, src: WeightSource,
                       shard_id: int | tuple[int, ...] | None = None):
@@ -89,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
             src_off += self.output_sizes[i]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.kernel)
+        return F.linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -104,7 +92,6 @@ class RowParallelLinear(nn.Module):
         self.in_local = tp.shard(in_features, "row-parallel input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
-        self.kernel = "torch"  # KernelConfig.linear, resolved: project's kernel
 
     def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id=None) -> None:
         expect_shape(src, (param.shape[0], self.in_local * self.tp.size))
@@ -112,7 +99,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, src.read(slice(None), slice(start, start + self.in_local)), src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = project(x, self.weight, self.kernel)
+        y = F.linear(x, self.weight)
         return all_reduce(y, self.tp) if self.reduce else y
 
 
@@ -142,18 +129,15 @@ def stack_rows(layers: list[nn.Module], align: int = 8) -> tuple[torch.Tensor, l
     return stacked, sizes
 
 
-def stacked_linear(x: torch.Tensor, stacked: torch.Tensor, rows: int, align: int = 8,
-                   kernel: str = "torch") -> torch.Tensor:
+def stacked_linear(x: torch.Tensor, stacked: torch.Tensor, rows: int,
+                   align: int = 8) -> torch.Tensor:
     """x through the first `rows` rows of stack_rows' tensor: [T, rows], the padding's
     outputs dropped. One token (a decode at batch 1) multiplies by exactly those rows, a view
     that cuBLAS runs as a GEMV (4.5 µs on the H200 for the 35B's 1,281 rows, against 6.8
     padded); more tokens by the rows up to a multiple of `align` (the zero padding, or the
     next part's first rows when `rows` ends inside the stack), which keeps them off a slow
-    kernel (5.9 µs against 12.1 at 16 tokens). `kernel` as project's: the Triton kernel takes
-    exactly the rows at any token count it takes."""
+    kernel (5.9 µs against 12.1 at 16 tokens)."""
     padded = -(-rows // align) * align
-    exact = stacked[:rows]
-    if kernel == "triton" and linear_triton.available(x, exact):
-        return linear_triton.skinny_linear(x, exact)
-    return F.linear(x, exact if x.shape[0] == 1 else stacked[:padded])[:, :rows]
+    weight = stacked[:rows] if x.shape[0] == 1 else stacked[:padded]
+    return F.linear(x, weight)[:, :rows]
 

@@ -161,7 +161,6 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
         self.routing = "torch"  # KernelConfig.moe_routing: fused.moe_route, or "triton"
-        self.linear_kernel = "torch"  # KernelConfig.linear, resolved: the input GEMM's kernel
         self.tp = tp
         self.top_k = cfg.num_experts_per_tok
         h, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
@@ -180,7 +179,7 @@ class SparseMoE(nn.Module):
         route = route_topk if self.routing == "triton" else fused.moe_route
         if self.shared_in_pairs and self.experts.resolve(x, x.shape[0] * self.top_k) == "pairs":
             return self._pairs_with_shared(x, route)
-        y = stacked_linear(x, self.in_proj, sum(self.in_sizes), kernel=self.linear_kernel)
+        y = stacked_linear(x, self.in_proj, sum(self.in_sizes))
         logits, shared_gate, gate_up = y.split(self.in_sizes, dim=-1)  # [T, E], [T, 1], [T, 2·I/tp]
         topk_weights, topk_ids = route(logits, self.top_k, x.dtype)  # [T, k]
         shared = self.shared_expert.down_proj(fused.silu_mul(gate_up))
@@ -197,9 +196,8 @@ class SparseMoE(nn.Module):
     def _pairs_with_shared(self, x: torch.Tensor, route) -> torch.Tensor | MoEOutput:
         """The router and the shared-expert gate (the first E + 1 rows of in_proj), then the
         routed experts and the shared one in the pair kernels' two launches."""
-        logits, shared_gate = stacked_linear(x, self.in_proj, sum(self.in_sizes[:2]),
-                                             kernel=self.linear_kernel).split(
-                                                 self.in_sizes[:2], dim=-1)
+        logits, shared_gate = stacked_linear(x, self.in_proj, sum(self.in_sizes[:2])).split(
+            self.in_sizes[:2], dim=-1)
         topk_weights, topk_ids = route(logits, self.top_k, x.dtype)
         shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight)
         rows = pair_experts(x, self.experts.gate_up_proj, self.experts.down_proj, topk_ids,
