@@ -49,6 +49,14 @@ GDN_RECURRENCE = ("auto", "fla", "slots")
 # the gated output norm one program per token and head); "auto" is triton on CUDA with the
 # slots recurrence, torch elsewhere.
 GDN_PROLOGUE = ("auto", "torch", "triton")
+# The target's row-parallel projections (attention's o_proj, the GDN's out_proj, the shared
+# expert's down; target/layers/linear.py RowParallelLinear): "triton"
+# (target/kernels/splitk_linear.py: K split across programs and summed in the same launch, up
+# to 16 rows, bf16/fp16; more rows, and fp32, stay on cuBLAS) or "torch" (F.linear: cuBLAS,
+# a split-K GEMM and a reduce kernel at one row). "auto" is torch on every device until the
+# kernel has been timed on a GPU against cuBLAS (docs/BENCHMARKS.md, "Next GPU calls"): a
+# variant, `bench.engine --variants row_parallel=triton`.
+ROW_PARALLEL = ("auto", "torch", "triton")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -89,6 +97,7 @@ class KernelConfig:
     gdn_rounds: str = "batched"  # GDN_ROUNDS
     gdn_recurrence: str = "auto"  # GDN_RECURRENCE
     gdn_prologue: str = "auto"  # GDN_PROLOGUE
+    row_parallel: str = "auto"  # ROW_PARALLEL
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
     # functions are shared by every model in the process.
@@ -102,6 +111,7 @@ class KernelConfig:
         _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
         _check("gdn_recurrence", self.gdn_recurrence, GDN_RECURRENCE)
         _check("gdn_prologue", self.gdn_prologue, GDN_PROLOGUE)
+        _check("row_parallel", self.row_parallel, ROW_PARALLEL)
 
     def attention_kernel(self, device: torch.device | str) -> str:
         """The resolved attention on this device: "triton" or "torch". "auto" takes triton on
@@ -174,6 +184,15 @@ class KernelConfig:
             if not slots:
                 raise ValueError("gdn_prologue 'triton' needs gdn_recurrence 'slots'")
         return self.gdn_prologue
+
+    def row_parallel_kernel(self, device: torch.device | str) -> str:
+        """row_parallel resolved on this device: "triton" (asked for: needs Triton and CUDA,
+        or TRITON_INTERPRET=1) or "torch" ("auto": ROW_PARALLEL says why)."""
+        from target.kernels import splitk_linear
+
+        if self.row_parallel == "auto":
+            return "torch"
+        return _triton_or(self.row_parallel, "row_parallel", splitk_linear, device, "torch")
 
     def round_attention(self, device: torch.device | str, graphs: bool) -> str:
         """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";

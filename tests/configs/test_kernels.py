@@ -17,7 +17,8 @@ from target.kernels import fused
                                         ("moe_routing", "moe_routing"),
                                         ("gdn_rounds", "gdn_rounds"),
                                         ("gdn_recurrence", "gdn_recurrence"),
-                                        ("gdn_prologue", "gdn_prologue")])
+                                        ("gdn_prologue", "gdn_prologue"),
+                                        ("row_parallel", "row_parallel")])
 def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
     with pytest.raises(ValueError, match=name):
         KernelConfig(**{field: "nope"})
@@ -31,9 +32,11 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
         moe_sorted,
         moe_triton,
         qk_rope_triton,
+        splitk_linear,
     )
 
-    for module in (moe_route, gdn_slots, moe_sorted, moe_triton, qk_rope_triton, gdn_prologue):
+    for module in (moe_route, gdn_slots, moe_sorted, moe_triton, qk_rope_triton, gdn_prologue,
+                   splitk_linear):
         monkeypatch.setattr(module, "_interpreted", lambda: False)
     with pytest.raises(ValueError, match="moe_routing 'triton'"):
         KernelConfig(moe_routing="triton").routing_kernel("cpu")
@@ -43,6 +46,8 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
         KernelConfig(attention_prologue="triton").attention_prologue_kernel("cpu")
     with pytest.raises(ValueError, match="gdn_prologue 'triton'"):
         KernelConfig(gdn_prologue="triton").gdn_prologue_kernel("cpu")
+    with pytest.raises(ValueError, match="row_parallel 'triton'"):
+        KernelConfig(row_parallel="triton").row_parallel_kernel("cpu")
     for moe in ("pairs", "sorted"):  # at EngineConfig already: `serve --moe-backend pairs`
         with pytest.raises(ValueError, match=f"moe_backend '{moe}'"):
             EngineConfig(model=str(tiny_demo[0]), moe_backend=moe)
@@ -60,18 +65,20 @@ def test_auto_takes_the_triton_kernels_on_cuda_only():
 
     default = KernelConfig()
     on = ("routing_kernel", "recurrence_kernel", "attention_prologue_kernel",
-          "gdn_prologue_kernel")
+          "gdn_prologue_kernel", "row_parallel_kernel")
 
     def resolved(config: KernelConfig, device: str) -> tuple[str, ...]:
         return tuple(getattr(config, name)(device) for name in on)
 
-    assert resolved(default, "cpu") == ("torch", "fla", "torch", "torch")
+    assert resolved(default, "cpu") == ("torch", "fla", "torch", "torch", "torch")
     if moe_route.triton is None or gdn_slots.triton is None:
         pytest.skip("Triton is not installed")
-    assert resolved(default, "cuda") == ("triton", "slots", "triton", "triton")
+    # the split-K output projections are a variant until timed on a GPU: cuBLAS by default
+    assert resolved(default, "cuda") == ("triton", "slots", "triton", "triton", "torch")
+    assert KernelConfig(row_parallel="triton").row_parallel_kernel("cuda") == "triton"
     forced = KernelConfig(moe_routing="torch", gdn_recurrence="fla", attention_prologue="torch")
     # the GDN prologue's "auto" follows the recurrence: the fla path takes the torch one
-    assert resolved(forced, "cuda") == ("torch", "fla", "torch", "torch")
+    assert resolved(forced, "cuda") == ("torch", "fla", "torch", "torch", "torch")
     # the Triton GDN prologue leaves q and k at the key heads: the slots recurrence only
     assert KernelConfig(gdn_prologue="triton").gdn_prologue_kernel("cuda") == "triton"
     with pytest.raises(ValueError, match="needs gdn_recurrence 'slots'"):
@@ -96,6 +103,7 @@ def choices(target, draft) -> dict[str, set]:
     from draft.model import DraftAttention
     from target.layers.attention import GatedAttention
     from target.layers.gdn import GatedDeltaNet
+    from target.layers.linear import RowParallelLinear
     from target.layers.moe import SparseMoE
 
     moes = layers(target, SparseMoE)
@@ -109,6 +117,7 @@ def choices(target, draft) -> dict[str, set]:
         "routing": {m.routing for m in moes},
         "experts": {m.experts.kernel for m in moes},
         "block_attention": {m.block_attention for m in layers(draft, DraftAttention)},
+        "row_parallel": {m.kernel for m in layers(target, RowParallelLinear)},
     }
 
 
@@ -130,7 +139,8 @@ def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
             "round_attention": {"gathered"}, "prologue": {"torch"}, "batched_rounds": {False},
             "gdn_prologue": {"torch"},
             "launch": {attention_triton.ADAPTIVE_LAUNCH},
-            "routing": {"torch"}, "experts": {moe}, "block_attention": {"gathered"}}
+            "routing": {"torch"}, "experts": {moe}, "block_attention": {"gathered"},
+            "row_parallel": {"torch"}}
     finally:
         fused.enable(False)
 
