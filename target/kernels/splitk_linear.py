@@ -178,8 +178,11 @@ if triton is not None:
         tile_at = rows[:, None] * N + cols[None, :]  # [BLOCK_M, BLOCK_N] of one split's plane
         ok = row_ok[:, None] & col_ok[None, :]
         tl.store(part_ptr + split * BLOCK_M * N + tile_at, acc, mask=ok)
-        # acq_rel: this program's partial is visible before its arrival counts, and the last
-        # to arrive sees every partial stored before the others arrived
+        # Every thread's stores of the partial before the one atomic of the program (a scalar
+        # atomic is one thread's); acq_rel: the partial is visible before its arrival counts,
+        # and the last to arrive sees every partial stored before the others arrived (read
+        # through L2, .cg, where no stale L1 line can serve them).
+        tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLITS - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
