@@ -31,8 +31,10 @@
 #            split, at 512 to 128k keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
 #   attnlong bench/round_attention.py at 32k and 128k keys, 1 and 8 sequences, 1 and 16
 #            queries: the engine's launch (16-row tiles for the launches whose rows fit, a
-#            decode's) against 32-row tiles for all and 16-row tiles for all (the fifteenth
-#            session's sweep of one-field changes is in docs/BENCHMARKS.md)
+#            decode's; 32-row mma.sync tiles for the rest, a verify block's) against 32-row
+#            tiles for all, and against 64- and 128-row tiles in 8 warps for the rest (wgmma
+#            on sm90; the fifteenth session's sweep of one-field changes is in
+#            docs/BENCHMARKS.md)
 #   midctx   bench/engine.py at 8,192 tokens of context, batch 1 and 8, B = 16, in one process:
 #            the defaults twice (the same-run spread), where the attention's split rule and the
 #            draft's context attention weigh more than at 512
@@ -128,7 +130,8 @@ attnlong)  # the --launch fields: split, rows, keys per step, warps, stages, mer
   # max_splits, split_ratio, small_rows (the engine's: 1024,32,64,4,2,32,256,4,16)
   timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention \
     --keys 32768 131072 --seqs 1 8 --widths 1 16 --forms triton \
-    --launch 1024,32,64,4,2,32,256,4,0 1024,16,64,4,2,32,256,4 \
+    --launch 1024,32,64,4,2,32,256,4,0 1024,64,64,8,2,32,256,4,16 \
+    1024,128,64,8,2,32,256,4,16 \
     --out "$OUT/round_attention_long.json" 2>&1 | tee "$OUT/round_attention_long.log" | tail -20 ;;
 midctx)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \

@@ -37,6 +37,10 @@ RATIO = Launch(max_splits=8, split_ratio=16)
 # 16-row tiles where a sequence's rows (queries × query heads per kv head) fit: a decode's
 # rows here, not a block's
 SMALL = Launch(max_splits=4, small_rows=16)
+# 64-row tiles in 8 warps for the launches whose rows do not fit 16 (a verify block's): on
+# sm90 Triton compiles them to wgmma (tools/triton_aot.py), the 16- and 32-row ones to
+# mma.sync; a decode and its verify block then run different MMA instructions
+WIDE = Launch(block_m=64, warps=8, max_splits=4, small_rows=16)
 # name: (context lengths before the queries, W, Hq, Hkv, D, page, causal, window[, launch])
 CASES = {
     "decode": ([5, 17, 64], 1, 8, 2, 16, 4, True, None),
@@ -58,6 +62,8 @@ CASES = {
     "small_rows_decode": ([5, 17, 300], 1, 8, 2, 16, 4, True, None, SMALL),
     "small_rows_verify": ([0, 130, 1000], 6, 2, 1, 16, 16, True, None, SMALL),
     "small_rows_block": ([3, 70], 6, 8, 2, 16, 16, True, None, SMALL),
+    # 6 × 4 rows a sequence in one 64-row tile, a decode's 4 in a 16-row one
+    "wide_rows_verify": ([0, 130, 1000], 6, 8, 2, 16, 16, True, None, WIDE),
 }
 
 
@@ -234,7 +240,8 @@ def test_split_keys_attention_equals_the_reference(errors, name, dtype):
     assert err < TOL[dtype]
 
 
-INVARIANCE_LAUNCHES = {"fixed": None, "adaptive": ADAPTIVE, "ratio": RATIO, "small": SMALL}
+INVARIANCE_LAUNCHES = {"fixed": None, "adaptive": ADAPTIVE, "ratio": RATIO, "small": SMALL,
+                       "wide": WIDE}
 
 
 @pytest.mark.parametrize("splits", INVARIANCE_LAUNCHES)
