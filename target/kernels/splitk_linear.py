@@ -1,5 +1,5 @@
-"""The output projections of few rows (a decode's tokens, a verify block at batch 1) as one
-Triton launch: y = x · Wᵀ for x [M ≤ MAX_ROWS, K] and W [N, K] in bf16 or fp16, K split
+"""The row-parallel projections of few rows (a decode's tokens, a verify block at batch 1)
+as one Triton launch: y = x · Wᵀ for x [M ≤ MAX_ROWS, K] and W [N, K] in bf16 or fp16, K split
 across programs and the split partial sums added in the same launch.
 
 Why: the 35B-A3B's output projections (attention's o_proj and the GDN's out_proj, 2048 × 4096,
@@ -28,9 +28,9 @@ between launches: every launch leaves them as it found them. Launches on one dev
 overlap (one stream, as the engine runs), and a launch that dies midway would leave them
 dirty (the process is gone then too).
 
-It is a variant (KernelConfig.out_proj "triton"; "auto" keeps cuBLAS) until it has been timed
-on a GPU: bench/linear_kernel.py --splitk per projection, bench/engine.py --variants
-out_proj=triton per step. Triton is optional, as in moe_triton.py; on CPU tensors the kernel
+It is a variant (KernelConfig.row_parallel "triton"; "auto" keeps cuBLAS) until it has been
+timed on a GPU: bench/linear_kernel.py --splitk per projection, bench/engine.py --variants
+row_parallel=triton per step. Triton is optional, as in moe_triton.py; on CPU tensors the kernel
 runs only in Triton's interpreter (TRITON_INTERPRET=1 set before triton is first imported)."""
 
 from __future__ import annotations
