@@ -58,13 +58,13 @@ def plan_num_blocks(profiles: list[MemoryProfile], num_slots: int, min_blocks: i
     by_gpu: dict[str, list[MemoryProfile]] = {}
     for p in profiles:
         by_gpu.setdefault(p.gpu_id, []).append(p)
-    plans = []  # (pages, GPU id, its processes)
+    plans = []  # (pages, GPU id, its budget, its processes)
     for gpu, procs in by_gpu.items():
         budget = min(p.cache_budget for p in procs)  # measured at different moments: the least
-        budget -= sum(p.activation_peak + num_slots * p.bytes_per_slot for p in procs)
+        left = budget - sum(p.activation_peak + num_slots * p.bytes_per_slot for p in procs)
         per_page = sum(p.bytes_per_page for p in procs)
-        plans.append((max(budget, 0) // per_page if per_page else 0, gpu, procs))
-    num_blocks, gpu, procs = min(plans, key=lambda plan: plan[0])
+        plans.append((max(left, 0) // per_page if per_page else 0, gpu, budget, procs))
+    num_blocks, gpu, budget, procs = min(plans, key=lambda plan: plan[0])
     if num_blocks < min_blocks:
         gib = 1 << 30
         slot = sum(p.bytes_per_slot for p in procs)
@@ -72,11 +72,10 @@ def plan_num_blocks(profiles: list[MemoryProfile], num_slots: int, min_blocks: i
         raise ValueError(
             f"the GPU memory left after weights, activations and {num_slots} state slots holds "
             f"{num_blocks} KV pages; one full-length sequence needs {min_blocks}. On GPU {gpu}: "
-            f"{min(p.cache_budget for p in procs) / gib:.2f} GiB left within "
-            f"gpu_memory_utilization once the weights were loaded, "
-            f"{sum(p.activation_peak for p in procs) / gib:.2f} GiB of activation peaks, "
-            f"{num_slots * slot / gib:.2f} GiB for {num_slots} state slots (max_num_seqs; "
-            f"{slot / (1 << 20):.1f} MiB each), and a full-length sequence's pages take "
-            f"{min_blocks * page / gib:.2f} GiB. Lower max_model_len or max_num_seqs, raise "
-            f"gpu_memory_utilization, or use more GPUs (tp)")
+            f"{budget / gib:.2f} GiB left within gpu_memory_utilization once the weights were "
+            f"loaded, {sum(p.activation_peak for p in procs) / gib:.2f} GiB of activation "
+            f"peaks, {num_slots * slot / gib:.2f} GiB for {num_slots} state slots "
+            f"(max_num_seqs; {slot / (1 << 20):.1f} MiB each), and a full-length sequence's "
+            f"pages take {min_blocks * page / gib:.2f} GiB. Lower max_model_len or "
+            f"max_num_seqs, raise gpu_memory_utilization, or use more GPUs (tp)")
     return num_blocks
