@@ -110,7 +110,7 @@ linear)
   timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda --iters 10 \
     --splitk ${SPLITK_TILES:-default 16,256,8,4,3 16,128,8,4,4 32,256,4,4,3 16,512,2,4,3} \
     --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" \
-    | grep -E "^device|2048×4096|2048×512" | grep -E "\| (1|16) \|" ;;
+    | grep -E "^device|(2048×4096|2048×512).*\| (1|16) \|" ;;
 splitkab)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 --block-sizes 16 --no-baseline \
