@@ -25,8 +25,9 @@
 #   longab   bench/engine.py at batch 1, B = 16, at 512 and 131,072 tokens of context, in one
 #            process: the defaults, then each of AB_VARIANTS (KernelConfig fields; by default
 #            the output projections through the split-K kernel, row_parallel=triton; the
-#            router in one launch, moe_routing=fused; both; then row_parallel=torch, the
-#            defaults again: the spread)
+#            router in one launch, moe_routing=fused; a decode's GDN prologue inside its
+#            recurrence, gdn_prologue=fused; the three together; then row_parallel=torch,
+#            the defaults again: the spread)
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
 #            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
 #            commit, 1 and 8 sequences
@@ -73,6 +74,7 @@ kernels)  # the Triton kernels' tests that run in the interpreter on CPU, here o
     tests/target/test_qk_rope_triton.py tests/target/test_moe_triton.py \
     tests/target/test_moe_sorted.py tests/target/test_moe_route.py \
     tests/target/test_splitk_linear.py tests/target/test_moe_router.py \
+    tests/target/test_gdn_decode.py \
     > "$OUT/gpu_kernel_tests.txt" 2>&1
   tail -4 "$OUT/gpu_kernel_tests.txt" ;;
 moetests)
@@ -121,7 +123,8 @@ longab)
   timeout ${BENCH_TIMEOUT:-540} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 --block-sizes 16 --no-baseline \
     --prompt-len 512 131072 --iters 5 --warmup 2 --variants ${AB_VARIANTS:-row_parallel=triton \
-    moe_routing=fused row_parallel=triton,moe_routing=fused row_parallel=torch} \
+    moe_routing=fused gdn_prologue=fused \
+    row_parallel=triton,moe_routing=fused,gdn_prologue=fused row_parallel=torch} \
     --out "$OUT/engine_longab.json" 2>&1 | tee "$OUT/engine_longab.log" \
     | grep -v "falling back" | grep "^|" ;;
 gdn)
