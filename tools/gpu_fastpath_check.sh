@@ -27,7 +27,7 @@
 #            the output projections through the split-K kernel, row_parallel=triton; the
 #            router in one launch, moe_routing=fused; a decode's GDN prologue inside its
 #            recurrence, gdn_prologue=fused; the three together; then row_parallel=torch,
-#            the defaults again: the spread)
+#            the defaults again: the spread; AB_LENS: other contexts, in the order given)
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
 #            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
 #            commit, 1 and 8 sequences
@@ -122,7 +122,7 @@ linear)
 longab)
   timeout ${BENCH_TIMEOUT:-540} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 --block-sizes 16 --no-baseline \
-    --prompt-len 512 131072 --iters 5 --warmup 2 --variants ${AB_VARIANTS:-row_parallel=triton \
+    --prompt-len ${AB_LENS:-512 131072} --iters 5 --warmup 2 --variants ${AB_VARIANTS:-row_parallel=triton \
     moe_routing=fused gdn_prologue=fused \
     row_parallel=triton,moe_routing=fused,gdn_prologue=fused row_parallel=torch} \
     --out "$OUT/engine_longab.json" 2>&1 | tee "$OUT/engine_longab.log" \
