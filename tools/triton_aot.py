@@ -158,12 +158,14 @@ def _router_variants() -> list[Variant]:
     per_split = -(-2048 // tile.splits)  # as router_topk: whole K steps a slice
     slice_k = -(-per_split // tile.block_k) * tile.block_k
     return [Variant(
-        "router GEMV + top-8 of 256", "target.kernels.moe_router", "_router_kernel", sig,
+        f"router GEMV + top-8 of 256, {rows} token{'s' if rows > 1 else ''}",
+        "target.kernels.moe_router", "_router_kernel", sig,
         {"TOP_K": 8, "BLOCK_M": moe_router.MAX_ROWS, "BLOCK_N": tile.block_n,
-         "BLOCK_K": tile.block_k, "SPLITS": tile.splits, "BLOCK_E": 512, "BLOCK_TK": 8},
+         "BLOCK_K": tile.block_k, "SPLITS": tile.splits, "BLOCK_E": 512, "BLOCK_TK": 8,
+         "TOPK_ROWS": rows},
         {"num_warps": tile.warps, "num_stages": tile.stages},
-        {"M": 1, "N": 257, "E": 256, "K": 2048, "slice_k": slice_k, "stride_xm": 2048,
-         "stride_xk": 1, "stride_wn": 2048})]
+        {"M": rows, "N": 257, "E": 256, "K": 2048, "slice_k": slice_k, "stride_xm": 2048,
+         "stride_xk": 1, "stride_wn": 2048}) for rows in (1, 16)]
 
 
 def _gdn_variants() -> list[Variant]:

@@ -14,7 +14,8 @@ profile). Both are fixed cost; one launch pays it once.
   logits, as F.linear gives them, stored: their column E is the shared-expert gate), and
   takes each token's top-k of the E expert logits: the k largest, the lowest index among
   equal values first, their softmax in fp32 (the full softmax's denominator cancels in the
-  renormalisation), largest first, as moe_route.py does. It sets the counter back to 0.
+  renormalisation), largest first, as moe_route.py does (over a power of two ≥ T rows:
+  a decode reduces one). It sets the counter back to 0.
 
 Bits: a token's logits depend on its own row of x only, summed in a fixed order whichever
 program arrives last: a decode's token and the same token in a verify block or a batch get
@@ -135,7 +136,8 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int,
         slice_k, x.stride(0), x.stride(1), weight.stride(0),
         TOP_K=top_k, BLOCK_M=MAX_ROWS, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         SPLITS=tile.splits, BLOCK_E=triton.next_power_of_2(n),
-        BLOCK_TK=triton.next_power_of_2(top_k), num_warps=tile.warps, num_stages=tile.stages)
+        BLOCK_TK=triton.next_power_of_2(top_k), TOPK_ROWS=triton.next_power_of_2(tokens),
+        num_warps=tile.warps, num_stages=tile.stages)
     return logits, weights, ids
 
 
@@ -150,7 +152,7 @@ if triton is not None:
                        M, N, E, K, slice_k, stride_xm, stride_xk, stride_wn,
                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_TK: tl.constexpr):
+                       BLOCK_TK: tl.constexpr, TOPK_ROWS: tl.constexpr):
         tile = tl.program_id(0)
         split = tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,10 +178,14 @@ if triton is not None:
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
         if arrived == tl.num_programs(0) * SPLITS - 1:
+            # the tokens' rows only (a power of two ≥ T: a decode's one row is not reduced
+            # as sixteen); each row reduces alone, so the bits do not depend on T
+            tokens = tl.arange(0, TOPK_ROWS)
+            token_ok = tokens < M
             offs = tl.arange(0, BLOCK_E)
-            at = rows[:, None] * N + offs[None, :]
-            ok = row_ok[:, None] & (offs < N)[None, :]
-            total = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
+            at = tokens[:, None] * N + offs[None, :]
+            ok = token_ok[:, None] & (offs < N)[None, :]
+            total = tl.zeros((TOPK_ROWS, BLOCK_E), dtype=tl.float32)
             for s in tl.static_range(SPLITS):  # split order, whoever arrived last
                 total += tl.load(part_ptr + s * BLOCK_M * N + at, mask=ok, other=0.0,
                                  cache_modifier=".cg")
@@ -188,8 +194,8 @@ if triton is not None:
             # the top-k of the rounded expert logits, moe_route.py's rule, a row per token
             vals = tl.where((offs < E)[None, :], logits.to(tl.float32), float("-inf"))
             slots = tl.arange(0, BLOCK_TK)
-            top = tl.full([BLOCK_M, BLOCK_TK], float("-inf"), tl.float32)
-            picked = tl.zeros([BLOCK_M, BLOCK_TK], dtype=tl.int64)
+            top = tl.full([TOPK_ROWS, BLOCK_TK], float("-inf"), tl.float32)
+            picked = tl.zeros([TOPK_ROWS, BLOCK_TK], dtype=tl.int64)
             for j in tl.static_range(TOP_K):
                 best = tl.max(vals, axis=1)
                 # the lowest index holding the largest value (a row of NaNs picks none:
@@ -202,8 +208,8 @@ if triton is not None:
             # softmax over the k picked (column 0 holds the largest); slots past k add 0
             e = tl.exp(top - tl.max(top, axis=1)[:, None])
             w = e / tl.sum(e, axis=1)[:, None]
-            out_at = rows[:, None] * TOP_K + slots[None, :]
-            out_ok = row_ok[:, None] & (slots < TOP_K)[None, :]
+            out_at = tokens[:, None] * TOP_K + slots[None, :]
+            out_ok = token_ok[:, None] & (slots < TOP_K)[None, :]
             tl.store(weights_ptr + out_at, w.to(weights_ptr.dtype.element_ty), mask=out_ok)
             tl.store(ids_ptr + out_at, picked, mask=out_ok)
             tl.atomic_xchg(count_ptr, 0)
