@@ -29,13 +29,15 @@ Triton's interpreter (TRITON_INTERPRET=1 set before triton is first imported).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from target.kernels.splitk_linear import Tile
 
 try:
     import triton
     import triton.language as tl
+
+    from target.kernels.splitk_linear import _partial
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -43,30 +45,11 @@ MAX_ROWS = 16  # a decode of up to 16 sequences, a verify block of 16 tokens at 
 DTYPES = (torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
-class Tile:
-    """`block_n` weight rows a program, `splits` slices of H (each a multiple of `block_k`,
-    the K step), `warps`, `stages`."""
-
-    block_n: int = 16
-    block_k: int = 256
-    splits: int = 8
-    warps: int = 4
-    stages: int = 2
-
-    @classmethod
-    def parse(cls, text: str) -> Tile:
-        """A tile from a bench's text: the fields in order, comma separated."""
-        values = [int(v) for v in text.split(",")]
-        if not 1 <= len(values) <= 5:
-            raise ValueError(f"a tile takes 1 to 5 fields, {len(values)} given: {text!r}")
-        return cls(*values)
-
-
 def tile_for(k: int) -> Tile:
-    """The tile for a hidden size k: 16 rows a program and H in up to eight 256-wide slices
-    (2048: 17 × 8 = 136 programs of 8 KiB of weight each for the 35B-A3B's 257 rows)."""
-    return Tile(splits=max(1, min(8, k // 256)))
+    """The tile (splitk_linear's fields: block_n, block_k, splits, warps, stages) for a
+    hidden size k: 16 rows a program and H in up to eight 256-wide slices (2048: 17 × 8 = 136
+    programs of 8 KiB of weight each for the 35B-A3B's 257 rows), 2 stages."""
+    return Tile(splits=max(1, min(8, k // 256)), stages=2)
 
 
 def refusal(x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int) -> str | None:
@@ -153,29 +136,8 @@ if triton is not None:
                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_TK: tl.constexpr, TOPK_ROWS: tl.constexpr):
-        tile = tl.program_id(0)
-        split = tl.program_id(1)
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, BLOCK_M)
-        ks = split * slice_k + tl.arange(0, BLOCK_K)
-        row_ok = rows < M
-        col_ok = cols < N
-        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk
-        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [K, N] view
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, slice_k, BLOCK_K):  # the same trip count for every split
-            k_ok = ks + k0 < K
-            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wt = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(xt, wt, acc)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K
-        tl.store(part_ptr + split * BLOCK_M * N + rows[:, None] * N + cols[None, :], acc,
-                 mask=row_ok[:, None] & col_ok[None, :])
-        # Every thread's stores before the program's one atomic; acq_rel: the partial is
-        # visible before its arrival counts, and the last to arrive sees every partial (read
-        # through L2, .cg, where no stale L1 line can serve them).
-        tl.debug_barrier()
+        _partial(x_ptr, w_ptr, part_ptr, M, N, K, slice_k, stride_xm, stride_xk, stride_wn,
+                 tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_N, BLOCK_K)
         arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
         if arrived == tl.num_programs(0) * SPLITS - 1:
             # the tokens' rows only (a power of two ≥ T: a decode's one row is not reduced
