@@ -35,11 +35,8 @@ ATTENTION_PROLOGUE = ("auto", "torch", "triton")
 MOE_BACKENDS = ("auto", "pairs", "sorted", "grouped", "gathered", "reference")
 # The router's softmax → top-k → renormalise: "triton" (target/kernels/moe_route.py: one
 # kernel) or "torch" (fused.moe_route: compiled, with torch.topk's kernels beside it); "auto"
-# is triton where Triton runs (CUDA), torch elsewhere. "fused" (a variant until timed on a GPU
-# against triton: `bench.engine --variants moe_routing=fused`) also takes the router's GEMV
-# into the launch (target/kernels/moe_router.py) for the steps the pair kernels run (up to 16
-# tokens), triton's kernel for the others.
-MOE_ROUTING = ("auto", "torch", "triton", "fused")
+# is triton where Triton runs (CUDA), torch elsewhere.
+MOE_ROUTING = ("auto", "torch", "triton")
 # The Gated DeltaNet recurrence of batched rounds and their commit: "slots"
 # (target/kernels/gdn_slots.py: the states read and written in place by slot) or "fla" (fla's
 # kernel on the states gathered out of the cache, scattered back; the torch reference off
@@ -50,11 +47,8 @@ GDN_RECURRENCE = ("auto", "fla", "slots")
 # compiled) or, with the slots recurrence, "triton" (target/kernels/gdn_prologue.py: the conv,
 # head split, q/k norms and gates in one launch per layer, a decode's conv state written in it;
 # the gated output norm one program per token and head); "auto" is triton on CUDA with the
-# slots recurrence, torch elsewhere. "fused" (a variant until timed on a GPU against triton:
-# `bench.engine --variants gdn_prologue=fused`) is triton's but for a decode, whose prologue
-# runs inside the recurrence's launch and whose conv state the output norm writes
-# (target/kernels/gdn_decode.py): one launch fewer per layer.
-GDN_PROLOGUE = ("auto", "torch", "triton", "fused")
+# slots recurrence, torch elsewhere.
+GDN_PROLOGUE = ("auto", "torch", "triton")
 # The target's row-parallel projections (attention's o_proj, the GDN's out_proj, the shared
 # expert's down; target/layers/linear.py RowParallelLinear): "triton"
 # (target/kernels/splitk_linear.py: K split across programs and summed in the same launch, up
@@ -161,13 +155,10 @@ class KernelConfig:
         return self.moe
 
     def routing_kernel(self, device: torch.device | str) -> str:
-        """moe_routing resolved on this device: "triton" or "fused" (each needs Triton and
-        CUDA, or TRITON_INTERPRET=1) or "torch"."""
-        from target.kernels import moe_route, moe_router
+        """moe_routing resolved on this device: "triton" (needs Triton and CUDA, or
+        TRITON_INTERPRET=1) or "torch"."""
+        from target.kernels import moe_route
 
-        if self.moe_routing == "fused":
-            _check_triton("moe_routing 'fused'", moe_router, device)
-            return "fused"
         return _triton_or(self.moe_routing, "moe_routing", moe_route, device, "torch")
 
     def recurrence_kernel(self, device: torch.device | str) -> str:
@@ -179,21 +170,19 @@ class KernelConfig:
                           triton_name="slots")
 
     def gdn_prologue_kernel(self, device: torch.device | str) -> str:
-        """gdn_prologue resolved on this device: "triton" and "fused" need Triton and CUDA
-        (or TRITON_INTERPRET=1) and the slots recurrence (they leave q and k at the key heads);
-        "auto" takes triton on CUDA with the slots recurrence (never the interpreter)."""
-        from target.kernels import gdn_decode, gdn_prologue
+        """gdn_prologue resolved on this device: "triton" needs Triton and CUDA (or
+        TRITON_INTERPRET=1) and the slots recurrence (it leaves q and k at the key heads);
+        "auto" takes it on CUDA with the slots recurrence (never the interpreter)."""
+        from target.kernels import gdn_prologue
 
         slots = self.recurrence_kernel(device) == "slots"
         if self.gdn_prologue == "auto":
             cuda = torch.device(device).type == "cuda" and gdn_prologue.triton is not None
             return "triton" if slots and cuda else "torch"
-        if self.gdn_prologue in ("triton", "fused"):
-            module = gdn_prologue if self.gdn_prologue == "triton" else gdn_decode
-            _check_triton(f"gdn_prologue {self.gdn_prologue!r}", module, device)
+        if self.gdn_prologue == "triton":
+            _check_triton("gdn_prologue 'triton'", gdn_prologue, device)
             if not slots:
-                raise ValueError(f"gdn_prologue {self.gdn_prologue!r} needs gdn_recurrence "
-                                 "'slots'")
+                raise ValueError("gdn_prologue 'triton' needs gdn_recurrence 'slots'")
         return self.gdn_prologue
 
     def row_parallel_kernel(self, device: torch.device | str) -> str:

@@ -147,30 +147,7 @@ def _splitk_variants() -> list[Variant]:
     return out
 
 
-def _router_variants() -> list[Variant]:
-    from target.kernels import moe_router
-
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*bf16", "weights_ptr": "*bf16",
-           "ids_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32", "M": I32, "N": I32,
-           "E": I32, "K": I32, "slice_k": I32, "stride_xm": I32, "stride_xk": I32,
-           "stride_wn": I32}
-    tile = moe_router.tile_for(2048)  # the 35B-A3B's 256 experts and its shared-expert gate
-    per_split = -(-2048 // tile.splits)  # as router_topk: whole K steps a slice
-    slice_k = -(-per_split // tile.block_k) * tile.block_k
-    return [Variant(
-        f"router GEMV + top-8 of 256, {rows} token{'s' if rows > 1 else ''}",
-        "target.kernels.moe_router", "_router_kernel", sig,
-        {"TOP_K": 8, "BLOCK_M": moe_router.MAX_ROWS, "BLOCK_N": tile.block_n,
-         "BLOCK_K": tile.block_k, "SPLITS": tile.splits, "BLOCK_E": 512, "BLOCK_TK": 8,
-         "TOPK_ROWS": rows},
-        {"num_warps": tile.warps, "num_stages": tile.stages},
-        {"M": rows, "N": 257, "E": 256, "K": 2048, "slice_k": slice_k, "stride_xm": 2048,
-         "stride_xk": 1, "stride_wn": 2048}) for rows in (1, 16)]
-
-
 def _gdn_variants() -> list[Variant]:
-    import triton.language as tl
-
     from target.kernels import gdn_slots
 
     names = ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "state_ptr", "slots_ptr",
@@ -238,40 +215,16 @@ def _gdn_variants() -> list[Variant]:
         out.append(Variant(f"gdn prologue {label}", "target.kernels.gdn_prologue",
                            "_prologue_kernel", {**prologue, **{n: I32 for n in strides}},
                            {"K": 4, "DK": 128, "DV_GROUP": 256, "RATIO": 2, "BLOCK_K": 128,
-                            "BLOCK_V": 256, "BLOCK_R": 2, "WRITE_STATE": length == 1,
-                            "STORE_SEQ": length != 1},
+                            "BLOCK_V": 256, "BLOCK_R": 2, "WRITE_STATE": length == 1},
                            {"num_warps": 4}, {"width": length, "key_dim": 2048, **strides}))
-    # the decode's prologue folded into the recurrence (gdn_decode.py), the 35B-A3B's heads
-    decode = {"x_ptr": "*bf16", "cache_ptr": "*bf16", "slots_ptr": "*i64", "w_ptr": "*bf16",
-              "a_ptr": "*bf16", "b_ptr": "*bf16", "alog_ptr": "*fp32", "dtb_ptr": "*fp32",
-              "state_ptr": "*fp32", "o_ptr": "*bf16", "v_heads": I32, "key_dim": I32,
-              "dv": I32, "q_scale": "fp32"}
-    decode_strides = dict(stride_xs=12352, stride_cn=8192 * 3, stride_cc=3, stride_ck=1,
-                          stride_wc=4, stride_wk=1, stride_at=12352, stride_bt=12352,
-                          stride_sn=32 * 128 * 128, stride_sh=128 * 128, stride_sk=128,
-                          stride_sv=1)
-    decode.update({n: I32 for n in decode_strides})
-    launch = gdn_slots.LAUNCH
-    out.append(Variant("gdn decode: prologue + recurrence", "target.kernels.gdn_decode",
-                       "_decode_kernel", decode,
-                       {"K": 4, "DK": 128, "RATIO": 2, "BLOCK_V": launch.block_v,
-                        "QK_DTYPE": tl.bfloat16},
-                       {"num_warps": launch.warps},
-                       {"v_heads": 32, "key_dim": 2048, "dv": 128, **decode_strides}))
     # the gated output norm: o [T, 32, 128] contiguous; z a view of the same projection
     norm = {"o_ptr": "*bf16", "z_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
             "heads": I32, "dim": I32, "eps": "fp32", "stride_ot": I32, "stride_oh": I32,
-            "stride_zt": I32, "stride_zh": I32, "x_ptr": "*bf16", "cache_ptr": "*bf16",
-            "slots_ptr": "*i64", "channels": I32, "per_head": I32, "stride_xt": I32,
-            "stride_cn": I32, "stride_cc": I32, "stride_ck": I32}
-    values = {"heads": 32, "dim": 128, "stride_ot": 4096, "stride_oh": 128,
-              "stride_zt": 12352, "stride_zh": 128, "channels": 8192, "per_head": 256,
-              "stride_xt": 12352, "stride_cn": 8192 * 3, "stride_cc": 3, "stride_ck": 1}
-    for label, shift in (("", False), (" + conv shift (fused decode)", True)):
-        out.append(Variant(f"gdn gated norm{label}", "target.kernels.gdn_prologue",
-                           "_gated_norm_kernel", norm,
-                           {"BLOCK_D": 128, "SHIFT": shift, "K_1": 3 if shift else 0,
-                            "BLOCK_C": 256 if shift else 1}, {"num_warps": 1}, values))
+            "stride_zt": I32, "stride_zh": I32}
+    out.append(Variant("gdn gated norm", "target.kernels.gdn_prologue", "_gated_norm_kernel",
+                       norm, {"BLOCK_D": 128}, {"num_warps": 1},
+                       {"heads": 32, "dim": 128, "stride_ot": 4096, "stride_oh": 128,
+                        "stride_zt": 12352, "stride_zh": 128}))
     return out
 
 
@@ -339,7 +292,7 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
 
 
 def variants(attention_launches: list = ()) -> list[Variant]:
-    return (_moe_variants() + _route_variants() + _router_variants() + _gdn_variants()
+    return (_moe_variants() + _route_variants() + _gdn_variants()
             + _attention_variants(attention_launches) + _splitk_variants())
 
 

@@ -88,22 +88,15 @@ def conv_split_gates(x: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Ten
         K=taps, DK=head_k_dim, DV_GROUP=ratio * head_v_dim, RATIO=ratio,
         BLOCK_K=triton.next_power_of_2(head_k_dim),
         BLOCK_V=triton.next_power_of_2(ratio * head_v_dim),
-        BLOCK_R=triton.next_power_of_2(ratio), WRITE_STATE=decode, STORE_SEQ=not decode,
-        num_warps=4)
+        BLOCK_R=triton.next_power_of_2(ratio), WRITE_STATE=decode, num_warps=4)
     return q, k, v, g, beta, conv_seq
 
 
-def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
-                   shift: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                   ) -> torch.Tensor:
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
     """o [T, H, D] (the recurrence's output, any strides); z [T, H, D] (any strides, its last
     dim contiguous: a view of the input projection); weight [D]. Returns [T, H·D] in o's
-    dtype: fused.gated_rms_norm(o, z, weight, eps), flattened over the heads.
-
-    shift = (x [T, C], conv_cache [N, C, K−1], slots [T]): also each token's sequence's conv
-    state shifted by one and x's row appended, in place at slots[t] (a decode's, after a
-    recurrence that only read it: gdn_decode.py), as conv_split_gates writes it in a decode:
-    program (t, h) takes channels h·⌈C/H⌉ … ."""
+    dtype: fused.gated_rms_norm(o, z, weight, eps), flattened over the heads."""
     tokens, heads, dim = o.shape
     assert z.shape == o.shape and weight.shape == (dim,), (o.shape, z.shape, weight.shape)
     assert o.stride(2) == 1 and z.stride(2) == 1, (o.stride(), z.stride())
@@ -114,21 +107,9 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         raise RuntimeError("gated_rms_norm on CPU tensors runs in Triton's interpreter only: "
                            "set TRITON_INTERPRET=1 before anything imports triton")
     block = triton.next_power_of_2(dim)
-    if shift is None:
-        x, cache, slots, per_head, taps_1 = o, o, o, 0, 0  # (unread)
-        cache_strides = (0, 0, 0)
-    else:
-        x, cache, slots = shift
-        assert x.shape[0] == tokens and slots.shape == (tokens,), (x.shape, slots.shape)
-        assert cache.shape[1] == x.shape[1] and x.stride(1) == 1, (cache.shape, x.stride())
-        per_head, taps_1 = triton.cdiv(x.shape[1], heads), cache.shape[2]
-        cache_strides, slots = cache.stride(), slots.contiguous()
     _gated_norm_kernel[(tokens * heads,)](
         o, z, weight, out, heads, dim, eps, o.stride(0), o.stride(1), z.stride(0), z.stride(1),
-        x, cache, slots, x.shape[1] if shift else 0, per_head, x.stride(0), *cache_strides,
-        BLOCK_D=block, SHIFT=shift is not None, K_1=taps_1,
-        BLOCK_C=triton.next_power_of_2(max(per_head, 1)),
-        num_warps=max(1, min(4, block // 128)))
+        BLOCK_D=block, num_warps=max(1, min(4, block // 128)))
     return out
 
 
@@ -141,12 +122,11 @@ if triton is not None:
     @triton.jit
     def _conv_silu(x_row, cache_row, w_ptr, seq_row, ch, ch_ok, tok, stride_xl, stride_cc,
                    stride_ck, stride_wc, stride_wk, stride_qc, stride_qk,
-                   K: tl.constexpr, WRITE_STATE: tl.constexpr, STORE_SEQ: tl.constexpr):
+                   K: tl.constexpr, WRITE_STATE: tl.constexpr):
         """silu(conv) of token `tok` on channels `ch`, in x's dtype. The window's tap j is
-        position tok + j of [state (K−1) | inputs]. WRITE_STATE (a decode) writes the state's
-        shift in place (tap j's value to state position j − 1, after tap j is read); else
-        STORE_SEQ stores the window's values to seq (a token its own input; token 0 the
-        state's too); neither: nothing is written (gdn_decode.py's programs)."""
+        position tok + j of [state (K−1) | inputs]. A decode writes the state's shift in place
+        (tap j's value to state position j − 1, after tap j is read); otherwise the window's
+        values go to seq (a token its own input; token 0 the state's too)."""
         acc = tl.zeros(ch.shape, dtype=tl.float32)
         for j in tl.static_range(K):
             pos = tok + j
@@ -162,7 +142,7 @@ if triton is not None:
                 if j >= 1:
                     tl.store(cache_row + ch * stride_cc + (j - 1) * stride_ck,
                              val.to(cache_row.dtype.element_ty), mask=ch_ok)
-            elif STORE_SEQ:
+            else:
                 tl.store(seq_row + ch * stride_qc + pos * stride_qk, val,
                          mask=ch_ok & ((tok == 0) | (j == K - 1)))
         out = acc.to(x_row.dtype.element_ty).to(tl.float32)
@@ -177,8 +157,7 @@ if triton is not None:
                          stride_qs, stride_qc, stride_qk,
                          K: tl.constexpr, DK: tl.constexpr, DV_GROUP: tl.constexpr,
                          RATIO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                         BLOCK_R: tl.constexpr, WRITE_STATE: tl.constexpr,
-                         STORE_SEQ: tl.constexpr):
+                         BLOCK_R: tl.constexpr, WRITE_STATE: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)  # the token: s·L + tok
         head = tl.program_id(1)
         s, tok = t // width, t % width
@@ -191,15 +170,15 @@ if triton is not None:
         d_ok = d < DK
         q = _conv_silu(x_row, cache_row, w_ptr, seq_row, head * DK + d, d_ok, tok, stride_xl,
                        stride_cc, stride_ck, stride_wc, stride_wk, stride_qc, stride_qk,
-                       K, WRITE_STATE, STORE_SEQ).to(tl.float32)
+                       K, WRITE_STATE).to(tl.float32)
         k = _conv_silu(x_row, cache_row, w_ptr, seq_row, key_dim + head * DK + d, d_ok, tok,
                        stride_xl, stride_cc, stride_ck, stride_wc, stride_wk, stride_qc,
-                       stride_qk, K, WRITE_STATE, STORE_SEQ).to(tl.float32)
+                       stride_qk, K, WRITE_STATE).to(tl.float32)
         dv = tl.arange(0, BLOCK_V)
         dv_ok = dv < DV_GROUP
         v = _conv_silu(x_row, cache_row, w_ptr, seq_row, 2 * key_dim + head * DV_GROUP + dv,
                        dv_ok, tok, stride_xl, stride_cc, stride_ck, stride_wc, stride_wk,
-                       stride_qc, stride_qk, K, WRITE_STATE, STORE_SEQ)
+                       stride_qc, stride_qk, K, WRITE_STATE)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         qk_at = (t * num_k_heads + head) * DK + d  # [S, L, Hk, Dk] contiguous
@@ -225,10 +204,7 @@ if triton is not None:
 
     @triton.jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, heads, dim, eps, stride_ot, stride_oh,
-                           stride_zt, stride_zh, x_ptr, cache_ptr, slots_ptr, channels,
-                           per_head, stride_xt, stride_cn, stride_cc, stride_ck,
-                           BLOCK_D: tl.constexpr, SHIFT: tl.constexpr, K_1: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+                           stride_zt, stride_zh, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)  # token · H + head
         t, h = (row // heads).to(tl.int64), row % heads
         d = tl.arange(0, BLOCK_D)
@@ -244,17 +220,3 @@ if triton is not None:
         zf = tl.load(z_ptr + t * stride_zt + h * stride_zh + d, mask=ok, other=0.0).to(tl.float32)
         y = hw * (zf / (1.0 + tl.exp(-zf)))
         tl.store(out_ptr + row.to(tl.int64) * dim + d, y.to(dtype), mask=ok)
-        if SHIFT:  # the conv state of token t's sequence: state[j] = window[j + 1]
-            c = h * per_head + tl.arange(0, BLOCK_C)
-            c_ok = (c < channels) & (tl.arange(0, BLOCK_C) < per_head)
-            slot = tl.load(slots_ptr + t).to(tl.int64)
-            state = cache_ptr + slot * stride_cn + c * stride_cc
-            new = tl.load(x_ptr + t * stride_xt + c, mask=c_ok, other=0.0)
-            for j in tl.static_range(K_1):  # ascending: position j + 1 is read before written
-                if j + 1 < K_1:
-                    # as _conv_silu's window: a state value through x's dtype
-                    val = tl.load(state + (j + 1) * stride_ck, mask=c_ok, other=0.0).to(
-                        new.dtype)
-                else:
-                    val = new
-                tl.store(state + j * stride_ck, val.to(cache_ptr.dtype.element_ty), mask=c_ok)

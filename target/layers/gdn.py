@@ -17,7 +17,7 @@ from torch import nn
 from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import TPGroup
-from target.kernels import fused, gdn, gdn_decode, gdn_prologue, gdn_slots
+from target.kernels import fused, gdn, gdn_prologue, gdn_slots
 from target.layers.linear import ColumnParallelLinear, RowParallelLinear, load_sharded_1d
 from target.layers.norm import GatedRMSNorm
 from target.weights import WeightSource, copy_into, expect_shape
@@ -63,9 +63,7 @@ class GatedDeltaNet(nn.Module):
         # The batched rounds' conv, head split, norms and gates, and their gated output norm
         # (KernelConfig.gdn_prologue): "torch" (compiled chains) or, with the slots
         # recurrence, "triton" (target/kernels/gdn_prologue.py: one launch before the
-        # recurrence, a decode's conv state written in it; one after it, a program per row),
-        # or "fused": triton's, but a decode's prologue in the recurrence's launch and its
-        # conv state written by the output norm (target/kernels/gdn_decode.py)
+        # recurrence, a decode's conv state written in it; one after it, a program per row)
         self.prologue = "torch"
         self.layer_idx = layer_idx
         self.tp = tp
@@ -116,10 +114,10 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight[:, 0, :]
         journal = batch.journal.setdefault(self.layer_idx, [])
         if self.batched_rounds and all(batch.is_verify) and len(set(batch.query_lens)) == 1:
-            o, shift = self._verify_round(mixed_qkv, b, a, batch, conv_cache, ssm_cache,
-                                          weight, journal)
-            if self.prologue != "torch":  # o comes in x's dtype from the slots recurrence
-                o = gdn_prologue.gated_rms_norm(o, z, self.norm.weight, self.norm.eps, shift)
+            o = self._verify_round(mixed_qkv, b, a, batch, conv_cache, ssm_cache, weight,
+                                   journal)
+            if self.prologue == "triton":  # o comes in x's dtype from the slots recurrence
+                o = gdn_prologue.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
             else:
                 o = self.norm(o.to(x.dtype), z).reshape(x.shape[0], -1)
             return self.out_proj(o)
@@ -147,9 +145,7 @@ class GatedDeltaNet(nn.Module):
         """Every sequence verifies L tokens: one batched conv and one batched recurrence (one
         fla call on CUDA) instead of a loop over sequences. Reads the committed states, writes
         nothing; journals the block for `commit`. L = 1 (plain decode: the token is always
-        kept) writes the new states in place instead. Returns o [S·L, H, Dv] and, where the
-        conv states are still to be written (prologue "fused" at decode), gated_rms_norm's
-        `shift` for them (else None)."""
+        kept) writes the new states in place instead. Returns o [S·L, H, Dv]."""
         n_seqs, width = batch.num_seqs, batch.query_lens[0]
         slots = batch.state_slots_t
         x = mixed_qkv.view(n_seqs, width, -1)  # [S, L, C]
@@ -158,13 +154,7 @@ class GatedDeltaNet(nn.Module):
         # q, k, v [S, L, H, D] (q and k at the key heads for the slots kernel: it maps value
         # heads to them); g, β [S, L, Hv]; conv_seq [S, C, K-1+L] the committed conv state,
         # then the inputs (None where the Triton prologue wrote a decode's state already)
-        if self.prologue == "fused" and width == 1 and in_place:
-            o = gdn_decode.decode_recurrence(
-                mixed_qkv, conv_cache, slots, weight, a, b, self.A_log, self.dt_bias,
-                ssm_cache, self.num_k_heads, self.head_k_dim, self.num_v_heads,
-                self.head_v_dim, qk_dtype)
-            return o, (mixed_qkv, conv_cache, slots)
-        if self.prologue != "torch":
+        if self.prologue == "triton":
             q, k, v, g, beta, conv_seq = gdn_prologue.conv_split_gates(
                 x, conv_cache, slots, weight, a, b, self.A_log, self.dt_bias, self.num_k_heads,
                 self.head_k_dim, self.num_v_heads, self.head_v_dim, qk_dtype, qk_dtype)
@@ -187,7 +177,7 @@ class GatedDeltaNet(nn.Module):
                 ssm_cache[slots] = final.to(ssm_cache.dtype)
         else:
             journal.append(GDNBlockJournal(slots, conv_seq, k, v, g, beta))
-        return o.reshape(n_seqs * width, *o.shape[2:]), None
+        return o.reshape(n_seqs * width, *o.shape[2:])
 
     def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # conv_out [..., C] → q, k [..., Hv, Dk] (normalised, q scaled, key heads expanded to

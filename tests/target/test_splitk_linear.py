@@ -82,7 +82,7 @@ def invariance(device: str) -> dict[str, int]:
         out["alone_vs_batch"] += int((alone != batch[i]).sum())
     for j in (2, 7, 9):
         out["block_sizes"] += int((splitk_linear.splitk_linear(x[:j], w) != batch[:j]).sum())
-    out["counters_left"] = int((splitk_linear._COUNTERS[torch.device(device)] != 0).sum())
+    out["counters_left"] = int((splitk_linear._COUNTERS[x.device] != 0).sum())
     return out
 
 
