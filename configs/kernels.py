@@ -35,8 +35,11 @@ ATTENTION_PROLOGUE = ("auto", "torch", "triton")
 MOE_BACKENDS = ("auto", "pairs", "sorted", "grouped", "gathered", "reference")
 # The router's softmax → top-k → renormalise: "triton" (target/kernels/moe_route.py: one
 # kernel) or "torch" (fused.moe_route: compiled, with torch.topk's kernels beside it); "auto"
-# is triton where Triton runs (CUDA), torch elsewhere.
-MOE_ROUTING = ("auto", "torch", "triton")
+# is triton where Triton runs (CUDA), torch elsewhere. "fused" (a variant until timed on a GPU
+# against triton: `bench.engine --variants moe_routing=fused`) also takes the router's GEMV
+# into the launch (target/kernels/moe_router.py) for the steps the pair kernels run (up to 16
+# tokens), triton's kernel for the others.
+MOE_ROUTING = ("auto", "torch", "triton", "fused")
 # The Gated DeltaNet recurrence of batched rounds and their commit: "slots"
 # (target/kernels/gdn_slots.py: the states read and written in place by slot) or "fla" (fla's
 # kernel on the states gathered out of the cache, scattered back; the torch reference off
@@ -155,10 +158,13 @@ class KernelConfig:
         return self.moe
 
     def routing_kernel(self, device: torch.device | str) -> str:
-        """moe_routing resolved on this device: "triton" (needs Triton and CUDA, or
-        TRITON_INTERPRET=1) or "torch"."""
-        from target.kernels import moe_route
+        """moe_routing resolved on this device: "triton" or "fused" (each needs Triton and
+        CUDA, or TRITON_INTERPRET=1) or "torch"."""
+        from target.kernels import moe_route, moe_router
 
+        if self.moe_routing == "fused":
+            _check_triton("moe_routing 'fused'", moe_router, device)
+            return "fused"
         return _triton_or(self.moe_routing, "moe_routing", moe_route, device, "torch")
 
     def recurrence_kernel(self, device: torch.device | str) -> str:
