@@ -199,14 +199,14 @@ class SparseMoE(nn.Module):
     def _pairs_with_shared(self, x: torch.Tensor, route) -> torch.Tensor | MoEOutput:
         """The router and the shared-expert gate (the first E + 1 rows of in_proj), then the
         routed experts and the shared one in the pair kernels' two launches."""
-        experts, rows = self.in_sizes[0], sum(self.in_sizes[:2])
-        router = self.in_proj[:rows]
+        experts, router_rows = self.in_sizes[0], sum(self.in_sizes[:2])
+        router = self.in_proj[:router_rows]
         if self.routing == "fused" and moe_router.available(x, router, experts, self.top_k):
             logits, topk_weights, topk_ids = moe_router.router_topk(x, router, experts,
                                                                     self.top_k)
             shared_gate = logits[:, experts:]
         else:
-            logits, shared_gate = stacked_linear(x, self.in_proj, rows).split(
+            logits, shared_gate = stacked_linear(x, self.in_proj, router_rows).split(
                 self.in_sizes[:2], dim=-1)
             topk_weights, topk_ids = route(logits, self.top_k, x.dtype)
         shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight)
