@@ -19,6 +19,7 @@ from configs.kernels import (
     MOE_BACKENDS,
     MOE_ROUTING,
     KernelConfig,
+    parse_choices,
 )
 from configs.model import TargetConfig
 from draft.config import DraftConfig
@@ -110,12 +111,10 @@ def kernel_config(args: argparse.Namespace, variant: str = "") -> KernelConfig:
                            moe_routing=args.moe_routing, gdn_rounds=args.gdn_rounds,
                            gdn_recurrence=args.gdn_recurrence,
                            compile_elementwise=False if args.no_fuse else None)
-    changes = dict(item.split("=", 1) for item in variant.split(",") if item)
-    unknown = set(changes) - {f.name for f in dataclasses.fields(KernelConfig)}
-    if unknown or "compile_elementwise" in changes:
-        raise SystemExit(f"variant {variant!r}: not a KernelConfig choice: "
-                         f"{sorted(unknown) or ['compile_elementwise (use --no-fuse)']}")
-    return dataclasses.replace(kernels, **changes)
+    try:
+        return dataclasses.replace(kernels, **parse_choices(variant, f"variant {variant!r}"))
+    except ValueError as e:  # (compile_elementwise: --no-fuse)
+        raise SystemExit(str(e)) from None
 
 
 def set_kernels(target: Qwen3_5MoeForCausalLM, draft: DFlashDraftModel,

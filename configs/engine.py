@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from configs.kernels import KernelConfig
+from configs.kernels import KernelConfig, parse_choices
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The most alternatives a token's log-probabilities may list (vLLM's max_logprobs default).
@@ -110,6 +110,11 @@ class EngineConfig:
     # configs/kernels.py (ATTENTION_BACKENDS, MOE_BACKENDS) and `kernels`.
     attention_backend: str = "auto"
     moe_backend: str = "auto"
+    # The other kernel choices, "field=value[,…]" over configs/kernels.py's KernelConfig
+    # (moe_routing, gdn_recurrence, gdn_prologue, attention_prologue, row_parallel,
+    # gdn_rounds): to compare a variant with the defaults (tools/golden_check.py), or to step
+    # around a kernel. "": the defaults, the paths measured fastest.
+    kernel_overrides: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -140,6 +145,10 @@ class EngineConfig:
         kernels = self.kernels  # a Triton kernel asked for where it cannot run: say so now
         kernels.attention_kernel(self.device)
         kernels.experts_kernel(self.device)
+        kernels.attention_prologue_kernel(self.device)
+        kernels.routing_kernel(self.device)
+        kernels.gdn_prologue_kernel(self.device)  # (and the recurrence)
+        kernels.row_parallel_kernel(self.device)
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.kv_block_size <= 0:
@@ -166,4 +175,8 @@ class EngineConfig:
     @property
     def kernels(self) -> KernelConfig:
         """The kernel choices (validated here: a bad name is a ValueError naming its field)."""
-        return KernelConfig(attention=self.attention_backend, moe=self.moe_backend)
+        overrides = parse_choices(self.kernel_overrides)
+        for name, setting in (("attention", "attention_backend"), ("moe", "moe_backend")):
+            if name in overrides:
+                raise ValueError(f"kernel_overrides: {name!r} is set by {setting}")
+        return KernelConfig(attention=self.attention_backend, moe=self.moe_backend, **overrides)

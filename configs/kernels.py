@@ -1,6 +1,7 @@
 """Every choice between kernels, in one place: `KernelConfig`. The engine builds it from
-EngineConfig (`attention_backend`, `moe_backend`); the benchmarks build it from their flags to
-measure one path against another in the same build. A model takes it once, after loading
+EngineConfig (`attention_backend`, `moe_backend`, and `kernel_overrides` for the others, as
+"field=value,…": `parse_choices`); the benchmarks build it from their flags to measure one
+path against another in the same build. A model takes it once, after loading
 (`Qwen3_5MoeForCausalLM.set_kernels`, `DFlashDraftModel.set_kernels`), and each layer keeps
 the choice it was given: nothing is switched per class or per process by a benchmark.
 
@@ -10,6 +11,7 @@ references the tests compare against and the CPU paths."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +65,22 @@ ROW_PARALLEL = ("auto", "torch", "triton")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
+
+
+def parse_choices(text: str, what: str = "kernel_overrides") -> dict[str, str]:
+    """"field=value[,…]" over KernelConfig's choices (every field but compile_elementwise,
+    which follows CUDA graphs) → {field: value}, the values checked when a KernelConfig is
+    built; "" → {}. A ValueError naming `what` for a malformed item or an unknown field."""
+    choices = [f.name for f in dataclasses.fields(KernelConfig) if f.type == "str"]
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not name or not value:
+            raise ValueError(f"{what}: {item!r} is not field=value")
+        if name not in choices:
+            raise ValueError(f"{what}: {name!r} is not a kernel choice; one of {choices}")
+        out[name] = value
+    return out
 
 
 def _check(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -3,6 +3,7 @@ in the engine's own dtype and device, and for every divergence whether it starts
 
     python -m tools.golden_check --model DIR --draft-model DIR --device cuda --dtype bfloat16 \
         --num-prompts 100 --max-tokens 64 --block-size 16 --out golden.json
+    python -m tools.golden_check … --kernel-overrides row_parallel=triton   # a variant's
 
 In fp32 the two must agree exactly. In bf16 a verify block and a one-token decode round
 differently (other batch shapes, other reduction orders), so the argmax can flip where the top
@@ -121,13 +122,17 @@ def main() -> None:
     p.add_argument("--block-size", type=int)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernel-overrides", default="",
+                   help="field=value[,…] over the default kernels, in both engines "
+                        "(EngineConfig.kernel_overrides): a variant's golden check")
     p.add_argument("--out")
     args = p.parse_args()
     # Two engines share one device: fixed pools (a measured one would take the whole GPU).
     pages = -(-(args.prompt_len[1] + args.max_tokens + 65) // 16)
     common = {"model": args.model, "device": args.device, "dtype": args.dtype,
               "max_num_seqs": args.max_num_seqs, "kv_block_size": 16,
-              "num_kv_blocks": args.max_num_seqs * pages}
+              "num_kv_blocks": args.max_num_seqs * pages,
+              "kernel_overrides": args.kernel_overrides}
     spec = LLMEngine(EngineConfig(draft_model=args.draft_model, block_size=args.block_size,
                                   **common))
     ref = LLMEngine(EngineConfig(**common))

@@ -10,7 +10,8 @@
 #   profile  bench/profile_step.py at batch 1 (CUDA graphs; PROFILE_VARIANT: KernelConfig fields
 #            over the defaults, e.g. "gdn_prologue=triton", written to profile_b1_variant.txt;
 #            PROFILE_ARGS: more arguments, e.g. "--prompt-len 131072")
-#   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts)
+#   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts;
+#            GOLDEN_KERNELS: kernel overrides, field=value[,…], e.g. row_parallel=triton)
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
 #   nofuse   the same without the compiled elementwise chains (--no-fuse), B = 16, no baseline
 #   moe      bench/moe_kernel.py: the pair GEMVs and the sorted-pair block GEMMs (a few launch
@@ -97,7 +98,8 @@ golden)
   for dtype in ${GOLDEN_DTYPES:-float32 bfloat16}; do
     timeout ${GOLDEN_TIMEOUT:-150} python3 -m tools.golden_check --model tests/assets/tiny/target \
       --draft-model tests/assets/tiny/draft --device cuda --dtype $dtype --num-prompts 100 \
-      --max-tokens 64 --block-size 16 --out "$OUT/golden_$dtype.json" 2>&1 | tail -6
+      --max-tokens 64 --block-size 16 --kernel-overrides "${GOLDEN_KERNELS:-}" \
+      --out "$OUT/golden_$dtype.json" 2>&1 | tail -6
   done ;;
 bench)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \

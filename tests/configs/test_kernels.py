@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from configs.engine import EngineConfig
-from configs.kernels import GDN_ROUNDS, MOE_BACKENDS, KernelConfig
+from configs.kernels import GDN_ROUNDS, MOE_BACKENDS, KernelConfig, parse_choices
 from target.kernels import fused
 
 
@@ -166,6 +166,33 @@ def test_the_engine_workers_take_the_engine_configs_kernels(tiny_demo):
     assert not fused._enabled  # no CUDA graphs, no compiled chains
     out = engine.generate([[1, 2, 3]], [cfg_params()])[0]
     assert len(out.output_ids) == 4 and out.finish_reason == "length"
+
+
+def test_kernel_overrides_reach_every_layer_and_are_checked(tiny_demo, monkeypatch):
+    """EngineConfig.kernel_overrides (`serve --kernel-overrides`, tools/golden_check.py):
+    "field=value,…" over the defaults reaches the workers' models; a malformed item, an
+    unknown field, a bad value, a field that has its own setting, or a Triton kernel asked
+    for where it cannot run are ValueErrors naming what is wrong, at configuration."""
+    from cluster.engine import LLMEngine
+
+    target, draft = map(str, tiny_demo)
+    cfg = EngineConfig(model=target, draft_model=draft, max_num_seqs=2, max_model_len=64,
+                       kernel_overrides="gdn_rounds=per-seq, moe_routing=torch")
+    assert cfg.kernels == KernelConfig(gdn_rounds="per-seq", moe_routing="torch")
+    executor = LLMEngine(cfg).executor
+    found = choices(executor.runner.model, executor.drafter.model)
+    assert found["batched_rounds"] == {False} and found["routing"] == {"torch"}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for text, match in (("row_parallel", "'row_parallel' is not field=value"),
+                        ("fast=yes", "'fast' is not a kernel choice"),
+                        ("compile_elementwise=off", "not a kernel choice"),
+                        ("gdn_rounds=sometimes", "gdn_rounds must be one of"),
+                        ("moe=pairs", "'moe' is set by moe_backend"),
+                        ("attention=torch", "'attention' is set by attention_backend"),
+                        ("row_parallel=triton", "row_parallel 'triton'")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(model=target, kernel_overrides=text)
+    assert parse_choices(" row_parallel=torch ,, ") == {"row_parallel": "torch"}
 
 
 def cfg_params():

@@ -86,6 +86,12 @@ def test_kernel_backends_reach_the_engine_and_resolve_per_device(tiny_demo, monk
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend 'triton'"):
         EngineConfig(model=target, device="cpu", attention_backend="triton")
+    # the other choices, as one setting
+    cfg = ServeArgs.from_dict({"model": target,
+                               "kernel_overrides": "row_parallel=torch"}).engine_config()
+    assert cfg.kernel_overrides == "row_parallel=torch" and cfg.kernels.row_parallel == "torch"
+    with pytest.raises(ValueError, match="kernel_overrides"):
+        ServeArgs.from_dict({"model": target, "kernel_overrides": "gpu=fast"}).engine_config()
 
 
 def test_the_speculative_flags_of_vllm_sglang_and_lmdeploy(tiny_demo):
