@@ -44,5 +44,35 @@ class TargetHarness:
 
 
 @torch.inference_mode()
+def kernel_rounds(model_dir, kernels: dict, module, fn: str):
+    """The tiny target in fp16 (a Triton kernel test's interpreter child): a prefill of 30
+    tokens, then a verify block of 6 and a one-token decode, under each of `kernels`
+    (name: KernelConfig; each from a fresh state slot). Returns each name's logits (the
+    prefill's last row, the block's, the decode's; fp32), the row counts of the calls to
+    `module.fn` meanwhile (the kernel under test, counted where the layers look it up), and
+    the model (its layers as the last config set them)."""
+    h = TargetHarness(model_dir, dtype=torch.float16)
+    prompt, block = list(range(3, 93, 3)), [5, 9, 11, 2, 7, 30]
+    out, rows = {}, []
+    real = getattr(module, fn)
+
+    def counted(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    setattr(module, fn, counted)
+    try:
+        for slot, (name, config) in enumerate(kernels.items()):
+            h.model.set_kernels(config, graphs=False)
+            table = h.pages(64)
+            prefill = h.logits([h.seq(0, prompt, 0, table, slot)], verify=False)[0]
+            verify = h.logits([h.seq(0, block, len(prompt), table, slot)], verify=True)[0]
+            decode = h.logits([h.seq(0, block[:1], len(prompt), table, slot)], verify=False)[0]
+            out[name] = torch.cat([prefill[-1:], verify, decode]).float()
+    finally:
+        setattr(module, fn, real)
+    return out, rows, h.model
+
+
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([tokens])).logits[0].float()

@@ -96,35 +96,18 @@ def empties(device: str) -> list[list[int]]:
 
 
 def model_results() -> dict:
-    """The tiny target in fp16 (CPU, the interpreter; the pair kernels for every step): the
-    logits of a prefill of 30 tokens (route_topk in both), then a verify block of 6 and a
-    decode, with moe_routing "fused" against "triton"; the row counts of the fused router's
-    launches."""
-    from target_harness import TargetHarness
+    """The tiny target in fp16 (CPU, the interpreter; the pair kernels for every step) with
+    moe_routing "fused" against "triton" (target_harness.kernel_rounds: a prefill of 30
+    tokens, route_topk in both; a verify block of 6; a decode): the logits' largest
+    difference and the row counts of the fused router's launches."""
+    from target_harness import kernel_rounds
 
     from configs.kernels import KernelConfig
     from tests.conftest import ASSETS
 
-    h = TargetHarness(ASSETS / "tiny" / "target", dtype=torch.float16)
-    prompt, block = list(range(3, 93, 3)), [5, 9, 11, 2, 7, 30]
-    out, launch_rows = {}, []
-    real = moe_router.router_topk
-
-    def counted(x, *args, **kwargs):
-        launch_rows.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    moe_router.router_topk = counted
-    try:
-        for slot, routing in enumerate(("triton", "fused")):  # each from a fresh state slot
-            h.model.set_kernels(KernelConfig(moe="pairs", moe_routing=routing), graphs=False)
-            table = h.pages(64)
-            prefill = h.logits([h.seq(0, prompt, 0, table, slot)], verify=False)[0]
-            verify = h.logits([h.seq(0, block, len(prompt), table, slot)], verify=True)[0]
-            decode = h.logits([h.seq(0, block[:1], len(prompt), table, slot)], verify=False)[0]
-            out[routing] = torch.cat([prefill[-1:], verify, decode]).float()
-    finally:
-        moe_router.router_topk = real
+    configs = {r: KernelConfig(moe="pairs", moe_routing=r) for r in ("triton", "fused")}
+    out, launch_rows, _ = kernel_rounds(ASSETS / "tiny" / "target", configs, moe_router,
+                                        "router_topk")
     return {"gap": (out["triton"] - out["fused"]).abs().max().item(),
             "scale": out["triton"].abs().max().item(),
             "launch_rows": sorted(set(launch_rows))}

@@ -94,38 +94,20 @@ def empties(device: str) -> list[list[int]]:
 
 
 def model_results() -> dict:
-    """The tiny target in fp16 (CPU, the interpreter): logits of a prefill (30 tokens: cuBLAS
-    in both), then a verify block of 6 and a decode (the kernel with row_parallel "triton"),
-    against row_parallel "torch"; the kernel the row-parallel projections took, and the row
-    counts of the kernel's launches."""
-    from target_harness import TargetHarness
+    """The tiny target in fp16 (CPU, the interpreter) with row_parallel "triton" against
+    "torch" (target_harness.kernel_rounds): the logits' largest difference, the kernel the
+    row-parallel projections took, and the row counts of the kernel's launches (the verify
+    block's and the decode's; a prefill of 30 rows stays on cuBLAS)."""
+    from target_harness import kernel_rounds
 
     from configs.kernels import KernelConfig
     from target.layers.linear import RowParallelLinear
     from tests.conftest import ASSETS
 
-    h = TargetHarness(ASSETS / "tiny" / "target", dtype=torch.float16)
-    prompt, block = list(range(3, 93, 3)), [5, 9, 11, 2, 7, 30]
-    out, launch_rows = {}, []
-    real = splitk_linear.splitk_linear
-
-    def counted(x, *args, **kwargs):
-        launch_rows.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    splitk_linear.splitk_linear = counted
-    try:
-        for slot, kernel in enumerate(("torch", "triton")):  # each from a fresh state slot
-            h.model.set_kernels(KernelConfig(row_parallel=kernel, moe="reference"),
-                                graphs=False)
-            table = h.pages(64)
-            h.logits([h.seq(0, prompt, 0, table, slot)], verify=False)
-            verify = h.logits([h.seq(0, block, len(prompt), table, slot)], verify=True)[0]
-            decode = h.logits([h.seq(0, block[:1], len(prompt), table, slot)], verify=False)[0]
-            out[kernel] = torch.cat([verify, decode]).float()
-    finally:
-        splitk_linear.splitk_linear = real
-    rows = [m for m in h.model.modules() if isinstance(m, RowParallelLinear)]
+    configs = {k: KernelConfig(row_parallel=k, moe="reference") for k in ("torch", "triton")}
+    out, launch_rows, model = kernel_rounds(ASSETS / "tiny" / "target", configs,
+                                            splitk_linear, "splitk_linear")
+    rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
     return {"gap": (out["torch"] - out["triton"]).abs().max().item(),
             "scale": out["torch"].abs().max().item(),
             "kernels": sorted({m.kernel for m in rows}), "launch_rows": sorted(set(launch_rows))}
