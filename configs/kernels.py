@@ -59,8 +59,8 @@ GDN_PROLOGUE = ("auto", "torch", "triton")
 # (target/kernels/splitk_linear.py: K split across programs and summed in the same launch, up
 # to 16 rows, bf16/fp16; more rows, and fp32, stay on cuBLAS) or "torch" (F.linear: cuBLAS,
 # a split-K GEMM and a reduce kernel at one row). "auto" is torch on every device until the
-# kernel has been timed on a GPU against cuBLAS (docs/BENCHMARKS.md, "Next GPU calls"): a
-# variant, `bench.engine --variants row_parallel=triton`.
+# goldens have run with the kernel (it won at decode on an H100, docs/BENCHMARKS.md): a
+# variant, `bench.engine --variants row_parallel=triton`, `--kernel-overrides`.
 ROW_PARALLEL = ("auto", "torch", "triton")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
@@ -71,7 +71,8 @@ def parse_choices(text: str, what: str = "kernel_overrides") -> dict[str, str]:
     """"field=value[,…]" over KernelConfig's choices (every field but compile_elementwise,
     which follows CUDA graphs) → {field: value}, the values checked when a KernelConfig is
     built; "" → {}. A ValueError naming `what` for a malformed item or an unknown field."""
-    choices = [f.name for f in dataclasses.fields(KernelConfig) if f.type == "str"]
+    choices = [f.name for f in dataclasses.fields(KernelConfig)
+               if f.name != "compile_elementwise"]
     out: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, eq, value = item.partition("=")
