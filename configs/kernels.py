@@ -62,6 +62,12 @@ GDN_PROLOGUE = ("auto", "torch", "triton")
 # goldens have run with the kernel (it won at decode on an H100, docs/BENCHMARKS.md): a
 # variant, `bench.engine --variants row_parallel=triton`, `--kernel-overrides`.
 ROW_PARALLEL = ("auto", "torch", "triton")
+# How the engine's Triton kernels are launched (target/kernels/pdl.py): "on", with CUDA's
+# programmatic dependent launch, each kernel's launch and ramp overlapping the tail of the
+# kernel before it (each still waits for that kernel's writes before it reads or writes
+# anything: the same bits); "off", plainly; "auto" is on where it runs (a CUDA GPU of compute
+# capability 9.0 or later, a Triton with the launch_pdl option), off elsewhere. Process-wide.
+PDL = ("auto", "on", "off")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -120,6 +126,7 @@ class KernelConfig:
     gdn_recurrence: str = "auto"  # GDN_RECURRENCE
     gdn_prologue: str = "auto"  # GDN_PROLOGUE
     row_parallel: str = "auto"  # ROW_PARALLEL
+    pdl: str = "auto"  # PDL
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
     # functions are shared by every model in the process.
@@ -134,6 +141,7 @@ class KernelConfig:
         _check("gdn_recurrence", self.gdn_recurrence, GDN_RECURRENCE)
         _check("gdn_prologue", self.gdn_prologue, GDN_PROLOGUE)
         _check("row_parallel", self.row_parallel, ROW_PARALLEL)
+        _check("pdl", self.pdl, PDL)
 
     def attention_kernel(self, device: torch.device | str) -> str:
         """The resolved attention on this device: "triton" or "torch". "auto" takes triton on
@@ -218,6 +226,19 @@ class KernelConfig:
         if self.row_parallel == "auto":
             return "torch"
         return _triton_or(self.row_parallel, "row_parallel", splitk_linear, device, "torch")
+
+    def pdl_launch(self, device: torch.device | str) -> bool:
+        """pdl resolved on this device: whether the engine's Triton kernels launch with
+        programmatic dependent launch. "on" where it cannot run is a ValueError saying why (on
+        a CUDA device this asks the GPU its compute capability)."""
+        from target.kernels import pdl
+
+        if self.pdl == "off":
+            return False
+        reason = pdl.supported(device)
+        if self.pdl == "on" and reason is not None:
+            raise ValueError(f"pdl 'on': {reason}")
+        return reason is None
 
     def round_attention(self, device: torch.device | str, graphs: bool) -> str:
         """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";

@@ -94,8 +94,8 @@ class ServeArgs:
         "sorted, grouped, gathered, reference for every step")
     kernel_overrides: str = arg(
         "", "the other kernel choices as field=value[,…] (moe_routing, gdn_recurrence, "
-        "gdn_prologue, attention_prologue, row_parallel, gdn_rounds; docs/DEPLOYMENT.md): to "
-        "compare a variant with the defaults; empty: the defaults")
+        "gdn_prologue, attention_prologue, row_parallel, pdl, gdn_rounds; docs/DEPLOYMENT.md): "
+        "to compare a variant with the defaults; empty: the defaults")
     shutdown_grace_s: float = arg(
         DEFAULT_SHUTDOWN_GRACE_S, "on SIGTERM or Ctrl-C: seconds the requests in flight may "
         "run on (new ones get 503); those still running then end with an error event "

@@ -27,6 +27,7 @@ from draft.attention import (
 from draft.config import DraftConfig
 from target import dummy
 from target.kernels import fused as target_fused
+from target.kernels import pdl
 from target.weights import read_safetensors
 
 KVCache = list[tuple[Tensor, Tensor]]  # per draft layer (k_cache, v_cache)
@@ -184,11 +185,12 @@ class DFlashDraftModel(nn.Module):
     def set_kernels(self, kernels: KernelConfig, graphs: bool) -> None:
         """The block attention (configs/kernels.py), resolved for the weights' device; and,
         as the target's set_kernels does, whether the elementwise chains compile (graphs:
-        proposals replay CUDA graphs). Process-wide: a draft actor's process has no target
-        model to set it."""
+        proposals replay CUDA graphs) and whether the Triton kernels launch with PDL.
+        Process-wide: a draft actor's process has no target model to set them."""
         set_block_attention(self, kernels.block_attention(self.device),
                             kernels.attention_launch())
         target_fused.enable(kernels.compiles_elementwise(graphs))
+        pdl.enable(kernels.pdl_launch(self.device))
 
     # ---- weights -------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from configs.kernels import KernelConfig
 from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import SINGLE, TPGroup
-from target.kernels import fused
+from target.kernels import fused, pdl
 from target.layers.attention import GatedAttention, set_round_attention
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.layers.gdn import GatedDeltaNet
@@ -95,6 +95,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
                 m.routing = routing
                 m.experts.kernel = experts
         fused.enable(kernels.compiles_elementwise(graphs))
+        pdl.enable(kernels.pdl_launch(device))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

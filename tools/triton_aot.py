@@ -317,8 +317,11 @@ def variants(attention_launches: list = ()) -> list[Variant]:
             + _attention_variants(attention_launches) + _splitk_variants())
 
 
-def compile_variant(v: Variant, arch: int) -> dict:
-    """Compile one variant for sm_{arch}; its figures, or the error."""
+def compile_variant(v: Variant, arch: int, pdl: bool = False) -> dict:
+    """Compile one variant for sm_{arch}; its figures, or the error. pdl: the kernel's PDL
+    constexpr and Triton's launch_pdl option (target/kernels/pdl.py), for sm90 and later.
+    The figures say whether the PTX holds griddepcontrol's wait (with pdl every kernel's
+    first instruction of its own; without, none)."""
     import importlib
 
     import triton
@@ -336,13 +339,19 @@ def compile_variant(v: Variant, arch: int) -> dict:
         aligned = [name for name, kind in v.signature.items() if kind.startswith("*")
                    or (name not in ones and values.get(name, 1) % 16 == 0)]
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-        src = ASTSource(fn=fn, signature=signature, constexprs={**v.constexprs, **ones},
-                        attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=v.options)
+        constexprs = {**v.constexprs, **ones}
+        options = dict(v.options)
+        if "PDL" in fn.arg_names:  # every engine kernel's launch passes it
+            signature["PDL"], constexprs["PDL"] = "constexpr", pdl
+            if pdl:
+                options["launch_pdl"] = True
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as e:  # the point of the tool: report it
         row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
         return row
     row["shared"] = compiled.metadata.shared
+    row["gdc_wait"] = "griddepcontrol.wait" in compiled.asm["ptx"]
     row.update(_ptxas_figures(compiled.asm["ptx"], arch))
     row["seconds"] = round(time.perf_counter() - t, 2)
     return row
@@ -379,11 +388,13 @@ def main(argv: list[str] | None = None) -> int:
                            "[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO[,SMALL_ROWS]]]]",
                    help="the attention's kernels at these launch shapes too (as "
                         "bench/round_attention.py --launch takes them)")
+    p.add_argument("--pdl", action="store_true",
+                   help="with the kernels' programmatic dependent launch on (KernelConfig.pdl)")
     args = p.parse_args(argv)
     from target.kernels.attention_triton import Launch
 
     launches = [Launch.parse(shape) for shape in args.attention_launch]
-    rows = [compile_variant(v, args.arch) for v in variants(launches)
+    rows = [compile_variant(v, args.arch, args.pdl) for v in variants(launches)
             if args.only is None or args.only in v.name]
     print(f"| kernel (sm_{args.arch}) | shared bytes | registers | spill bytes | s |")
     print("|---|---|---|---|---|")
@@ -395,6 +406,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         over = r["shared"] > args.shared_limit
         failed |= over
+        if r["gdc_wait"] != args.pdl:
+            failed = True
+            print(f"| {r['name']} | ERROR: griddepcontrol.wait {'not ' * args.pdl}in its PTX "
+                  f"with pdl {'on' if args.pdl else 'off'} | | | |")
+            continue
         print(f"| {r['name']} | {r['shared']}{' (over the limit)' if over else ''} | "
               f"{r['registers']} | {r['spill_bytes']} | {r['seconds']} |")
     if args.out:

@@ -12,6 +12,7 @@ without Ray (tp 1)."""
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 import time
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from configs.engine import EngineConfig, SamplingParams
 from configs.logs import setup_logging_if_actor
 from target.distributed import TPGroup
+from target.kernels import pdl
 from target.loader import load_target
 from target.model import Qwen3_5MoeForCausalLM
 from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
@@ -29,6 +31,8 @@ from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, graph_max_pages, n
 from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
 from workers.model_runner import ModelRunner, SeqInput
 from workers.step_loop import StepLoopEnds, run_target_loop
+
+log = logging.getLogger(__name__)
 
 # Ring slots: put k reuses slot k % 3 once the draft has released put k − 3
 # (workers/aux_transport.py). Each slot holds the largest step's rows.
@@ -84,6 +88,9 @@ class TargetWorker(StepLoopEnds):
         self.model = load_target(self.cfg.model, tp=group, dtype=self.cfg.torch_dtype,
                                  device=self.device, load_format=self.cfg.load_format)
         self.model.set_kernels(self.cfg.kernels, graphs=self._graphs())
+        if self.rank == 0 and self.device.type == "cuda":
+            log.info("Triton kernels: %s", "programmatic dependent launch (pdl)"
+                     if pdl.enabled() else "plain launches (pdl off)")
         if self.aux_ring_rows:  # before the memory profile, so the ring counts as used
             width = len(self.aux_layer_ids) * self.model.config.hidden_size
             self.aux_sender = make_aux_sender(

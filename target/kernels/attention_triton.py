@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from target.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -132,6 +134,7 @@ def available(device: torch.device | str) -> bool:
 
 
 if triton is not None:
+    from target.kernels.pdl import await_prior
 
     @triton.jit
     def _adaptive_split(kv_len, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
@@ -211,7 +214,8 @@ if triton is not None:
                       PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                       MAX_SPLITS: tl.constexpr, RATIO: tl.constexpr, CAUSAL: tl.constexpr,
-                      WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+                      WINDOWED: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         tile, split, sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_kv = n_heads // group
         s, kvh = sk // n_kv, sk % n_kv
@@ -265,7 +269,9 @@ if triton is not None:
                       width, n_heads, n_tokens, window,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, RATIO: tl.constexpr,
-                      CHUNK: tl.constexpr, WINDOWED: tl.constexpr, WITH_LSE: tl.constexpr):
+                      CHUNK: tl.constexpr, WINDOWED: tl.constexpr, WITH_LSE: tl.constexpr,
+                      PDL: tl.constexpr):
+        await_prior(PDL)
         row = tl.program_id(0)  # token · Hq + head
         token, head = row // n_heads, row % n_heads
         s = token // width
@@ -364,11 +370,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE=page, D=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=launch.block_n,
         SPLIT=launch.split, MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio,
         CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee,
-        num_warps=launch.warps, num_stages=launch.stages)
+        num_warps=launch.warps, num_stages=launch.stages, **pdl.options(q))
     _merge_kernel[(n_tokens * n_heads,)](
         acc, stat, q_first, kv_lens, out, lse, out.stride(0), out.stride(1),
         width, n_heads, n_tokens, win,
         D=dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, SPLIT=launch.split,
         MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio, CHUNK=launch.merge_chunk,
-        WINDOWED=window is not None, WITH_LSE=with_lse, num_warps=4)
+        WINDOWED=window is not None, WITH_LSE=with_lse, num_warps=4, **pdl.options(acc))
     return (out, lse) if with_lse else out

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from target.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -88,7 +90,7 @@ def conv_split_gates(x: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Ten
         K=taps, DK=head_k_dim, DV_GROUP=ratio * head_v_dim, RATIO=ratio,
         BLOCK_K=triton.next_power_of_2(head_k_dim),
         BLOCK_V=triton.next_power_of_2(ratio * head_v_dim),
-        BLOCK_R=triton.next_power_of_2(ratio), WRITE_STATE=decode, num_warps=4)
+        BLOCK_R=triton.next_power_of_2(ratio), WRITE_STATE=decode, num_warps=4, **pdl.options(x))
     return q, k, v, g, beta, conv_seq
 
 
@@ -109,7 +111,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     block = triton.next_power_of_2(dim)
     _gated_norm_kernel[(tokens * heads,)](
         o, z, weight, out, heads, dim, eps, o.stride(0), o.stride(1), z.stride(0), z.stride(1),
-        BLOCK_D=block, num_warps=max(1, min(4, block // 128)))
+        BLOCK_D=block, num_warps=max(1, min(4, block // 128)), **pdl.options(o))
     return out
 
 
@@ -118,6 +120,7 @@ def _interpreted() -> bool:
 
 
 if triton is not None:
+    from target.kernels.pdl import await_prior
 
     @triton.jit
     def _conv_silu(x_row, cache_row, w_ptr, seq_row, ch, ch_ok, tok, stride_xl, stride_cc,
@@ -157,7 +160,8 @@ if triton is not None:
                          stride_qs, stride_qc, stride_qk,
                          K: tl.constexpr, DK: tl.constexpr, DV_GROUP: tl.constexpr,
                          RATIO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                         BLOCK_R: tl.constexpr, WRITE_STATE: tl.constexpr):
+                         BLOCK_R: tl.constexpr, WRITE_STATE: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         t = tl.program_id(0).to(tl.int64)  # the token: s·L + tok
         head = tl.program_id(1)
         s, tok = t // width, t % width
@@ -204,7 +208,8 @@ if triton is not None:
 
     @triton.jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, heads, dim, eps, stride_ot, stride_oh,
-                           stride_zt, stride_zh, BLOCK_D: tl.constexpr):
+                           stride_zt, stride_zh, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         row = tl.program_id(0)  # token · H + head
         t, h = (row // heads).to(tl.int64), row % heads
         d = tl.arange(0, BLOCK_D)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from target.kernels import gdn_torch
+from target.kernels import gdn_torch, pdl
 
 try:
     import triton
@@ -118,7 +118,7 @@ def recurrent_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state_cache.stride(), *out_strides,
         DK=dk, BLOCK_V=block_v, HAS_KEPT=num_kept is not None, WRITE_STATE=write_state,
-        NEED_OUTPUT=need_output, num_warps=launch.warps)
+        NEED_OUTPUT=need_output, num_warps=launch.warps, **pdl.options(q))
     return o
 
 
@@ -166,7 +166,7 @@ def commit_conv(conv_seq: torch.Tensor, conv_cache: torch.Tensor, slots: torch.T
     _commit_conv_kernel[(n_seqs, triton.cdiv(channels, CONV_BLOCK))](
         conv_seq, conv_cache, slots, kept_t, 0 if per_seq else int(kept), channels,
         *conv_seq.stride(), *conv_cache.stride(),
-        K_1=k_1, BLOCK_C=CONV_BLOCK, PER_SEQ=per_seq, num_warps=4)
+        K_1=k_1, BLOCK_C=CONV_BLOCK, PER_SEQ=per_seq, num_warps=4, **pdl.options(conv_seq))
 
 
 def commit_conv_reference(conv_seq: torch.Tensor, conv_cache: torch.Tensor,
@@ -189,6 +189,7 @@ def _interpreted() -> bool:
 
 
 if triton is not None:
+    from target.kernels.pdl import await_prior
 
     @triton.jit
     def _emit(s, q, o_at, col_ok):
@@ -227,7 +228,8 @@ if triton is not None:
             stride_cn, stride_ch, stride_ck, stride_cv,
             stride_os, stride_ot, stride_oh, stride_od,
             DK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_KEPT: tl.constexpr,
-            WRITE_STATE: tl.constexpr, NEED_OUTPUT: tl.constexpr):
+            WRITE_STATE: tl.constexpr, NEED_OUTPUT: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         pid = tl.program_id(0)
         seq = (pid // v_heads).to(tl.int64)
         head = pid % v_heads
@@ -267,7 +269,9 @@ if triton is not None:
     @triton.jit
     def _commit_conv_kernel(Seq, Cache, Slots, Kept, n_fixed, channels,
                             stride_qs, stride_qc, stride_ql, stride_cn, stride_cc, stride_ck,
-                            K_1: tl.constexpr, BLOCK_C: tl.constexpr, PER_SEQ: tl.constexpr):
+                            K_1: tl.constexpr, BLOCK_C: tl.constexpr, PER_SEQ: tl.constexpr,
+                            PDL: tl.constexpr):
+        await_prior(PDL)
         s = tl.program_id(0)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         ok = c < channels

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from target.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -54,7 +56,7 @@ def route_topk(logits: torch.Tensor, top_k: int,
     _route_kernel[(tokens,)](
         logits, weights, ids, experts, logits.stride(0), logits.stride(1), TOP_K=top_k,
         BLOCK_E=triton.next_power_of_2(experts), BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4 if experts > 128 else 1)
+        num_warps=4 if experts > 128 else 1, **pdl.options(logits))
     return weights, ids
 
 
@@ -63,10 +65,13 @@ def _interpreted() -> bool:
 
 
 if triton is not None:
+    from target.kernels.pdl import await_prior
 
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, experts, stride_t, stride_e,
-                      TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
+        await_prior(PDL)
         token = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_E)
         vals = tl.load(logits_ptr + token * stride_t + offs * stride_e, mask=offs < experts,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from target.kernels import pdl
 from target.kernels.splitk_linear import Tile
 
 try:
@@ -120,7 +121,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, experts: int, top_k: int,
         TOP_K=top_k, BLOCK_M=MAX_ROWS, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         SPLITS=tile.splits, BLOCK_E=triton.next_power_of_2(n),
         BLOCK_TK=triton.next_power_of_2(top_k), TOPK_ROWS=triton.next_power_of_2(tokens),
-        num_warps=tile.warps, num_stages=tile.stages)
+        num_warps=tile.warps, num_stages=tile.stages, **pdl.options(x))
     return logits, weights, ids
 
 
@@ -129,13 +130,15 @@ def _interpreted() -> bool:
 
 
 if triton is not None:
+    from target.kernels.pdl import await_prior
 
     @triton.jit
     def _router_kernel(x_ptr, w_ptr, logits_ptr, weights_ptr, ids_ptr, part_ptr, count_ptr,
                        M, N, E, K, slice_k, stride_xm, stride_xk, stride_wn,
                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_TK: tl.constexpr, TOPK_ROWS: tl.constexpr):
+                       BLOCK_TK: tl.constexpr, TOPK_ROWS: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         _partial(x_ptr, w_ptr, part_ptr, M, N, K, slice_k, stride_xm, stride_xk, stride_wn,
                  tl.program_id(0), tl.program_id(1), BLOCK_M, BLOCK_N, BLOCK_K)
         arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")

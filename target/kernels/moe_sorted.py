@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from target.kernels import fused
+from target.kernels import fused, pdl
 from target.kernels.moe_triton import expert_sizes
 
 try:
@@ -105,10 +105,10 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int,
     cursor = torch.empty(block_e, dtype=torch.int32, device=device)  # (zeroed by the first)
     _groups_kernel[(1,)](topk_ids, pairs, k, *topk_ids.stride(), starts, cursor, sorted_pairs,
                          block_expert, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
-                         CHUNK=_ALIGN_CHUNK, BLOCK_B=_ALIGN_BLOCKS)
+                         CHUNK=_ALIGN_CHUNK, BLOCK_B=_ALIGN_BLOCKS, **pdl.options(topk_ids))
     _place_kernel[(triton.cdiv(pairs, _ALIGN_CHUNK),)](
         topk_ids, pairs, k, *topk_ids.stride(), starts, cursor, sorted_pairs,
-        BLOCK=_ALIGN_CHUNK)
+        BLOCK=_ALIGN_CHUNK, **pdl.options(topk_ids))
     return sorted_pairs, block_expert
 
 
@@ -154,11 +154,11 @@ def sorted_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         x, gate_up, sorted_pairs, block_expert, h, pairs, k, inter, hidden,
         x.stride(0), x.stride(1), *gate_up.stride(),
         BLOCK_M=BLOCK_M, BLOCK_N=gb.block_n, BLOCK_K=gb.block_k, UPCAST=upcast,
-        PRECISION=precision, num_warps=gb.num_warps, num_stages=gb.num_stages)
+        PRECISION=precision, num_warps=gb.num_warps, num_stages=gb.num_stages, **pdl.options(x))
     _down_kernel[(blocks, triton.cdiv(hidden, db.block_n))](
         h, down, sorted_pairs, block_expert, y, pairs, hidden, inter, *down.stride(),
         BLOCK_M=BLOCK_M, BLOCK_N=db.block_n, BLOCK_K=db.block_k, UPCAST=upcast,
-        PRECISION=precision, num_warps=db.num_warps, num_stages=db.num_stages)
+        PRECISION=precision, num_warps=db.num_warps, num_stages=db.num_stages, **pdl.options(h))
     y = y.view(tokens, k, hidden)
     return fused.weighted_slot_sum(y, topk_weights) if reduce else y
 
@@ -168,12 +168,14 @@ def _interpreted() -> bool:
 
 
 if triton is not None:
+    from target.kernels.pdl import await_prior
 
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, pairs_ptr, experts_ptr, h_ptr, num_pairs, top_k, inter,
                         hidden, stride_xt, stride_xh, stride_we, stride_wn, stride_wh,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         block = tl.program_id(0)
         # int64: expert · stride_we passes 2^31 elements on larger models.
         expert = tl.load(experts_ptr + block).to(tl.int64)
@@ -215,7 +217,8 @@ if triton is not None:
     def _down_kernel(h_ptr, w_ptr, pairs_ptr, experts_ptr, y_ptr, num_pairs, hidden, inter,
                      stride_we, stride_wn, stride_wi,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         block = tl.program_id(0)
         expert = tl.load(experts_ptr + block).to(tl.int64)
         if expert < 0:
@@ -244,7 +247,9 @@ if triton is not None:
     @triton.jit
     def _groups_kernel(ids_ptr, pairs, top_k, stride_it, stride_ik, starts_ptr, cursor_ptr,
                        sorted_ptr, block_expert_ptr, max_blocks, BLOCK_M: tl.constexpr,
-                       BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr):
+                       BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
+                       PDL: tl.constexpr):
+        await_prior(PDL)
         # One program: pairs per expert, the padded groups' layout, each block's expert, the
         # sentinel everywhere (the second kernel writes the pairs over it), zeroed cursors.
         offs = tl.arange(0, CHUNK)
@@ -277,7 +282,8 @@ if triton is not None:
 
     @triton.jit
     def _place_kernel(ids_ptr, pairs, top_k, stride_it, stride_ik, starts_ptr, cursor_ptr,
-                      sorted_ptr, BLOCK: tl.constexpr):
+                      sorted_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         # Each pair into the next free slot of its expert's group.
         p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = p < pairs

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from target.kernels import fused
+from target.kernels import fused, pdl
 
 try:
     import triton
@@ -148,12 +148,12 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         x, gate_up, shared_gate_up, topk_ids, h, k, inter, hidden,
         x.stride(0), x.stride(1), *gate_up.stride(), *topk_ids.stride(),
         BLOCK_N=gb.block_n, BLOCK_K=gb.block_k, PREFETCH=gb.prefetch,
-        SHARED=shared is not None, num_warps=gb.num_warps)
+        SHARED=shared is not None, num_warps=gb.num_warps, **pdl.options(x))
     _down_kernel[(pairs, triton.cdiv(hidden, db.block_n))](
         h, down, shared_down, topk_ids, y, k, hidden, inter,
         *down.stride(), *topk_ids.stride(),
         BLOCK_N=db.block_n, BLOCK_K=db.block_k, PREFETCH=db.prefetch,
-        SHARED=shared is not None, num_warps=db.num_warps)
+        SHARED=shared is not None, num_warps=db.num_warps, **pdl.options(h))
     y = y.view(tokens, slots, hidden)
     return fused.weighted_slot_sum(y, topk_weights) if reduce else y
 
@@ -163,6 +163,7 @@ def _interpreted() -> bool:
 
 
 if triton is not None:
+    from target.kernels.pdl import await_prior
 
     @triton.jit
     def _gate_up_tiles(x_row, gate, up, k0, cols, row_ok, hidden, stride_xh, stride_wh):
@@ -193,7 +194,8 @@ if triton is not None:
                         stride_xt, stride_xh, stride_we, stride_wn, stride_wh,
                         stride_it, stride_ik,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                        SHARED: tl.constexpr):
+                        SHARED: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         pair = tl.program_id(0)
         slots = top_k + SHARED
         token, slot = pair // slots, pair % slots
@@ -242,7 +244,8 @@ if triton is not None:
     def _down_kernel(h_ptr, w_ptr, shared_ptr, ids_ptr, y_ptr, top_k, hidden, inter,
                      stride_we, stride_wn, stride_wi, stride_it, stride_ik,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-                     SHARED: tl.constexpr):
+                     SHARED: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         pair = tl.program_id(0)
         slots = top_k + SHARED
         token, slot = pair // slots, pair % slots

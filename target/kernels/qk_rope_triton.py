@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from target.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -64,7 +66,7 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0),
         v_rows.stride(1),
         DIM=dim, BLOCK_D=triton.next_power_of_2(dim), ROTARY=rotary_dim, num_warps=1,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl.options(q))
     return out
 
 
@@ -73,6 +75,7 @@ def _interpreted() -> bool:
 
 
 if triton is not None:
+    from target.kernels.pdl import await_prior
 
     @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr,
@@ -80,7 +83,9 @@ if triton is not None:
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                              stride_cos, stride_sin, stride_ot, stride_oh,
                              stride_kcs, stride_kch, stride_vcs, stride_vch,
-                             DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr):
+                             DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROTARY: tl.constexpr,
+                             PDL: tl.constexpr):
+        await_prior(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         is_q = h < num_q_heads

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from target.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -143,7 +145,7 @@ def splitk_linear(x: torch.Tensor, weight: torch.Tensor, tile: Tile | None = Non
         x, weight, out, partials, _counters(x.device, tiles), rows, n, k, slice_k,
         x.stride(0), x.stride(1), weight.stride(0),
         BLOCK_M=MAX_ROWS, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLITS=tile.splits,
-        num_warps=tile.warps, num_stages=tile.stages)
+        num_warps=tile.warps, num_stages=tile.stages, **pdl.options(x))
     return out
 
 
@@ -152,6 +154,7 @@ def _interpreted() -> bool:
 
 
 if triton is not None:
+    from target.kernels.pdl import await_prior
 
     @triton.jit
     def _partial(x_ptr, w_ptr, part_ptr, M, N, K, slice_k, stride_xm, stride_xk, stride_wn,
@@ -189,7 +192,8 @@ if triton is not None:
     def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, slice_k,
                        stride_xm, stride_xk, stride_wn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLITS: tl.constexpr):
+                       SPLITS: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
         tile = tl.program_id(0)
         split = tl.program_id(1)
         _partial(x_ptr, w_ptr, part_ptr, M, N, K, slice_k, stride_xm, stride_xk, stride_wn,

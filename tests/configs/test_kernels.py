@@ -18,7 +18,8 @@ from target.kernels import fused
                                         ("gdn_rounds", "gdn_rounds"),
                                         ("gdn_recurrence", "gdn_recurrence"),
                                         ("gdn_prologue", "gdn_prologue"),
-                                        ("row_parallel", "row_parallel")])
+                                        ("row_parallel", "row_parallel"),
+                                        ("pdl", "pdl")])
 def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
     with pytest.raises(ValueError, match=name):
         KernelConfig(**{field: "nope"})
@@ -189,10 +190,42 @@ def test_kernel_overrides_reach_every_layer_and_are_checked(tiny_demo, monkeypat
                         ("gdn_rounds=sometimes", "gdn_rounds must be one of"),
                         ("moe=pairs", "'moe' is set by moe_backend"),
                         ("attention=torch", "'attention' is set by attention_backend"),
-                        ("row_parallel=triton", "row_parallel 'triton'")):
+                        ("row_parallel=triton", "row_parallel 'triton'"),
+                        ("pdl=on", "pdl 'on': it needs a CUDA device")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(model=target, kernel_overrides=text)
     assert parse_choices(" row_parallel=torch ,, ") == {"row_parallel": "torch"}
+
+
+def test_pdl_is_off_where_it_cannot_run_and_on_asks_for_it(monkeypatch, tiny_demo):
+    """KernelConfig.pdl (target/kernels/pdl.py): "auto" launches with PDL only where it runs,
+    "on" where it cannot is a ValueError saying why, "off" never; the models' set_kernels set
+    it for the process, and a kernel on a CPU tensor (Triton's interpreter) never takes it."""
+    import torch
+
+    from target.kernels import pdl
+    from target.loader import load_target
+
+    for choice in ("auto", "off"):
+        assert KernelConfig(pdl=choice).pdl_launch("cpu") is False
+    with pytest.raises(ValueError, match="pdl 'on': it needs a CUDA device, not cpu"):
+        KernelConfig(pdl="on").pdl_launch("cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 9.0 or later, this GPU has 8.0"):
+        KernelConfig(pdl="on").pdl_launch("cuda")
+    assert KernelConfig().pdl_launch("cuda") is False
+    if pdl.triton is not None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert KernelConfig().pdl_launch("cuda") is True
+        assert KernelConfig(pdl="off").pdl_launch("cuda") is False
+    target = load_target(str(tiny_demo[0]))
+    try:
+        pdl.enable(True)
+        assert pdl.options(torch.zeros(1)) == {"PDL": False}  # a CPU tensor
+        target.set_kernels(KernelConfig(), graphs=False)  # CPU: off
+        assert not pdl.enabled()
+    finally:
+        pdl.enable(False)
 
 
 def cfg_params():

@@ -1,0 +1,83 @@
+"""Programmatic dependent launch (PDL; CUDA, sm90 and later) for the engine's Triton kernels.
+
+A kernel launched with PDL (CUDA's programmatic stream serialization) may have its programs
+started while the kernel before it in the stream is still running: once every program of
+that kernel has executed `griddepcontrol.launch_dependents`, or exited. With PDL on, each of
+the engine's Triton kernels executes, before anything else, `launch_dependents` (its
+successor may be launched) and then `griddepcontrol.wait`, which returns once the kernel
+before it has completed and its memory writes are visible. Nothing is read or written before
+the wait, so each kernel still does all its work after the previous one's, on the same data,
+with the same bits: what overlaps is a kernel's launch and ramp with its predecessor's tail,
+the gaps between the few-microsecond kernels of a decode step. A kernel without PDL (cuBLAS,
+the compiled elementwise chains) waits for everything before it, as ever, and a PDL kernel
+after one of them simply starts when it ends. CUDA graphs capture the launches with their
+programmatic edges.
+
+Process-wide, like the compiled elementwise chains (target/kernels/fused.py): the models'
+`set_kernels` call `enable()` with KernelConfig's resolved `pdl`; each launch reads it, so a
+captured graph keeps the setting in force when it was captured. Off CUDA (Triton's
+interpreter: the tests) a kernel's PDL is always off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+_enabled = False
+
+
+def supported(device: torch.device | str) -> str | None:
+    """Why PDL cannot run on `device`, or None: it needs a CUDA device of compute capability
+    9.0 or later, and a Triton that takes the `launch_pdl` launch option."""
+    device = torch.device(device)
+    if triton is None:
+        return "Triton is not installed"
+    if device.type != "cuda":
+        return f"it needs a CUDA device, not {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"it needs compute capability 9.0 or later, this GPU has {major}.{minor}"
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return "this Triton has no CUDA backend"
+    if "launch_pdl" not in CUDAOptions.__dataclass_fields__:
+        return f"Triton {triton.__version__} has no launch_pdl option"
+    return None
+
+
+def enable(on: bool) -> None:
+    """Launch the engine's Triton kernels with PDL (on) or plainly, from now on, in this
+    process (KernelConfig.pdl_kernel says whether the device can)."""
+    global _enabled
+    _enabled = on
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def options(x: torch.Tensor) -> dict:
+    """A launch's keyword arguments for the kernel that works on `x`: the kernel's PDL
+    constexpr, and with it on (enabled, x on CUDA) Triton's launch_pdl option."""
+    if _enabled and x.is_cuda:
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def await_prior(PDL: tl.constexpr):
+        """A kernel's first statement: with PDL, let the next kernel launch, then wait for
+        the previous one to complete (its writes visible); without, nothing."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
