@@ -12,9 +12,6 @@ runs them now, and with each group fused.
     python -m bench.linear_kernel --device cuda --splitk default 16,256,8,4,3
         # and target/kernels/splitk_linear.py's kernel at M ≤ its MAX_ROWS, in each tile
         # (block_n, block_k, splits, warps, stages); "default" is the model's tile_for
-    python -m bench.linear_kernel --device cuda --router default 16,256,4,4,2
-        # and the MoE router (257 × 2048, top-8 of 256): the model's F.linear then
-        # route_topk, against target/kernels/moe_router.py's one launch in each tile
 
 Real sizes, bf16, rows M in ROWS. A shape's weight exists in enough copies (ROTATE_BYTES
 together, about 5× the 50 MB L2, at most MAX_COPIES) that consecutive calls read different
@@ -134,50 +131,6 @@ def bench_shape(n: int, k: int, rows: list[int], device: torch.device, dtype: to
     return out
 
 
-ROUTER = (257, 2048, 256, 8)  # the 35B-A3B's router rows with its shared-expert gate; H; E; k
-ROUTER_SMALL = (9, 64, 8, 2)
-
-
-def bench_router(tiles: list[str], rows: list[int], device: torch.device, dtype: torch.dtype,
-                 iters: int) -> list[dict]:
-    """The router of M ≤ moe_router.MAX_ROWS tokens as the model runs it on the pair path
-    (F.linear over its rows, then route_topk: two launches; layout "router cuBLAS+route")
-    and through moe_router.router_topk in each tile (one launch; "router TILE"), as µs per
-    call over rotating weight copies."""
-    from target.kernels import moe_router
-    from target.kernels.moe_route import route_topk
-
-    n, k, experts, top_k = ROUTER if device.type == "cuda" else ROUTER_SMALL
-    nbytes = n * k * dtype.itemsize
-    copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // nbytes))) if device.type == "cuda" else 2
-    num_calls = max(copies, MIN_CALLS) if device.type == "cuda" else 2
-    weights = [torch.randn(n, k, device=device, dtype=dtype) * k**-0.5 for _ in range(copies)]
-
-    def separate(x, w):
-        return route_topk(F.linear(x, w)[:, :experts], top_k, dtype)
-
-    forms = {"cuBLAS+route": separate}
-    for text in tiles:
-        tile = moe_router.tile_for(k) if text == "default" else moe_router.Tile.parse(text)
-        forms[text] = lambda x, w, tile=tile: moe_router.router_topk(x, w, experts, top_k,
-                                                                     tile)[1:]
-    out = []
-    for m in [m for m in rows if m <= moe_router.MAX_ROWS]:
-        x = torch.randn(m, k, device=device, dtype=dtype)
-        want = separate(x, weights[0])
-        for name, fn in forms.items():
-            calls = [lambda x=x, w=weights[i % copies], fn=fn: fn(x, w)
-                     for i in range(num_calls)]
-            us = us_per_call(calls, device, iters)
-            got = fn(x, weights[0])
-            out.append({"n": n, "k": k, "rows": m, "layout": f"router {name}",
-                        "copies": copies, "us": round(us, 2),
-                        "gb_s": round(nbytes / us / 1e3, 1),
-                        "ids_equal": bool(torch.equal(got[1], want[1]))})
-    del weights
-    return out
-
-
 def fused_shape(shapes: dict, members: tuple[str, ...], align: int = 8) -> tuple[int, int]:
     """N × K of a group's stacked weight (its members read the same K-wide input), N rounded
     up to `align` rows as the model stacks them (target/layers/linear.py stack_rows)."""
@@ -246,10 +199,6 @@ def main() -> None:
                    help="also time splitk_linear in these tiles (block_n,block_k,splits,"
                         "warps,stages; 'default': the model's) at M ≤ its MAX_ROWS; on CPU it "
                         "runs in Triton's interpreter (TRITON_INTERPRET=1)")
-    p.add_argument("--router", nargs="*", default=[], metavar="TILE",
-                   help="also time the MoE router: F.linear then route_topk against "
-                        "moe_router.router_topk in these tiles (block_n,block_k,splits,warps,"
-                        "stages; 'default': the model's)")
     p.add_argument("--out", help="JSON file for the results")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -262,7 +211,7 @@ def main() -> None:
     groups = GROUPS[device.type]
     # the Triton kernel takes bf16/fp16 only: fp16 on CPU, numpy's own half type
     dtype = (torch.bfloat16 if device.type == "cuda" else
-             torch.float16 if args.splitk or args.router else torch.float32)
+             torch.float16 if args.splitk else torch.float32)
     iters = args.iters if device.type == "cuda" else min(args.iters, 2)
     copy_gb_s = measure_bandwidth(device, (2 << 30) if device.type == "cuda" else (64 << 20))
     copy_gb_s /= 1e9
@@ -277,20 +226,11 @@ def main() -> None:
         print(f"{n}×{k} done", flush=True)
     steps = per_step(shapes, groups, rows, copy_gb_s)
     print(table(shapes, groups, rows, steps, copy_gb_s))
-    router = bench_router(args.router, ROWS[device.type], device, dtype, iters) if args.router \
-        else []
-    if router:
-        print("\nMoE router (µs per call; ids_equal: the same experts as cuBLAS+route):\n\n"
-              "| router | rows | µs | GB/s | ids_equal |\n|---|---|---|---|---|")
-        for r in router:
-            print(f"| {r['layout']} | {r['rows']} | {r['us']} | {r['gb_s']} | "
-                  f"{r['ids_equal']} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                        else "cpu", "dtype": str(dtype), "shapes": shapes, "groups": groups,
-                       "copy_gb_s": round(copy_gb_s, 1), "rows": rows, "per_step": steps,
-                       "router": router},
+                       "copy_gb_s": round(copy_gb_s, 1), "rows": rows, "per_step": steps},
                       f, indent=1)
 
 

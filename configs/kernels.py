@@ -37,11 +37,8 @@ ATTENTION_PROLOGUE = ("auto", "torch", "triton")
 MOE_BACKENDS = ("auto", "pairs", "sorted", "grouped", "gathered", "reference")
 # The router's softmax → top-k → renormalise: "triton" (target/kernels/moe_route.py: one
 # kernel) or "torch" (fused.moe_route: compiled, with torch.topk's kernels beside it); "auto"
-# is triton where Triton runs (CUDA), torch elsewhere. "fused" (a variant until timed on a GPU
-# against triton: `bench.engine --variants moe_routing=fused`) also takes the router's GEMV
-# into the launch (target/kernels/moe_router.py) for the steps the pair kernels run (up to 16
-# tokens), triton's kernel for the others.
-MOE_ROUTING = ("auto", "torch", "triton", "fused")
+# is triton where Triton runs (CUDA), torch elsewhere.
+MOE_ROUTING = ("auto", "torch", "triton")
 # The Gated DeltaNet recurrence of batched rounds and their commit: "slots"
 # (target/kernels/gdn_slots.py: the states read and written in place by slot) or "fla" (fla's
 # kernel on the states gathered out of the cache, scattered back; the torch reference off
@@ -58,8 +55,8 @@ GDN_PROLOGUE = ("auto", "torch", "triton")
 # expert's down; target/layers/linear.py RowParallelLinear): "triton"
 # (target/kernels/splitk_linear.py: K split across programs and summed in the same launch, up
 # to 16 rows, bf16/fp16; more rows, and fp32, stay on cuBLAS) or "torch" (F.linear: cuBLAS,
-# a split-K GEMM and a reduce kernel at one row). "auto" is torch on every device until the
-# goldens have run with the kernel (it won at decode on an H100, docs/BENCHMARKS.md): a
+# a split-K GEMM and a reduce kernel at one row). "auto" is torch on every device: the goldens
+# hold with the kernel, but its gain beside PDL is not yet clear (docs/BENCHMARKS.md): a
 # variant, `bench.engine --variants row_parallel=triton`, `--kernel-overrides`.
 ROW_PARALLEL = ("auto", "torch", "triton")
 # How the engine's Triton kernels are launched (target/kernels/pdl.py): "on", with CUDA's
@@ -185,13 +182,10 @@ class KernelConfig:
         return self.moe
 
     def routing_kernel(self, device: torch.device | str) -> str:
-        """moe_routing resolved on this device: "triton" or "fused" (each needs Triton and
-        CUDA, or TRITON_INTERPRET=1) or "torch"."""
-        from target.kernels import moe_route, moe_router
+        """moe_routing resolved on this device: "triton" (needs Triton and CUDA, or
+        TRITON_INTERPRET=1) or "torch"."""
+        from target.kernels import moe_route
 
-        if self.moe_routing == "fused":
-            _check_triton("moe_routing 'fused'", moe_router, device)
-            return "fused"
         return _triton_or(self.moe_routing, "moe_routing", moe_route, device, "torch")
 
     def recurrence_kernel(self, device: torch.device | str) -> str:

@@ -147,27 +147,6 @@ def _splitk_variants() -> list[Variant]:
     return out
 
 
-def _router_variants() -> list[Variant]:
-    from target.kernels import moe_router
-
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*bf16", "weights_ptr": "*bf16",
-           "ids_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32", "M": I32, "N": I32,
-           "E": I32, "K": I32, "slice_k": I32, "stride_xm": I32, "stride_xk": I32,
-           "stride_wn": I32}
-    tile = moe_router.tile_for(2048)  # the 35B-A3B's 256 experts and its shared-expert gate
-    per_split = -(-2048 // tile.splits)  # as router_topk: whole K steps a slice
-    slice_k = -(-per_split // tile.block_k) * tile.block_k
-    return [Variant(
-        f"router GEMV + top-8 of 256, {rows} token{'s' if rows > 1 else ''}",
-        "target.kernels.moe_router", "_router_kernel", sig,
-        {"TOP_K": 8, "BLOCK_M": moe_router.MAX_ROWS, "BLOCK_N": tile.block_n,
-         "BLOCK_K": tile.block_k, "SPLITS": tile.splits, "BLOCK_E": 512, "BLOCK_TK": 8,
-         "TOPK_ROWS": rows},
-        {"num_warps": tile.warps, "num_stages": tile.stages},
-        {"M": rows, "N": 257, "E": 256, "K": 2048, "slice_k": slice_k, "stride_xm": 2048,
-         "stride_xk": 1, "stride_wn": 2048}) for rows in (1, 16)]
-
-
 def _gdn_variants() -> list[Variant]:
     from target.kernels import gdn_slots
 
@@ -313,7 +292,7 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
 
 
 def variants(attention_launches: list = ()) -> list[Variant]:
-    return (_moe_variants() + _route_variants() + _router_variants() + _gdn_variants()
+    return (_moe_variants() + _route_variants() + _gdn_variants()
             + _attention_variants(attention_launches) + _splitk_variants())
 
 

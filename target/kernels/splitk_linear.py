@@ -28,11 +28,10 @@ between launches: every launch leaves them as it found them. Launches on one dev
 overlap (one stream, as the engine runs), and a launch that dies midway would leave them
 dirty (the process is gone then too).
 
-It is a variant (KernelConfig.row_parallel "triton"; "auto" keeps cuBLAS): it took 0.32 ms
-off a decode at 131,072 tokens of context on an H100 (docs/BENCHMARKS.md), and becomes the
-default once the goldens have run with it (tools/golden_check.py --kernel-overrides
-row_parallel=triton). bench/linear_kernel.py --splitk times it per projection,
-bench/engine.py --variants row_parallel=triton per step. Triton is optional, as in
+It is a variant (KernelConfig.row_parallel "triton"; "auto" keeps cuBLAS): the goldens hold
+with it, and whether it gains beside programmatic dependent launch (target/kernels/pdl.py) is
+not yet settled (docs/BENCHMARKS.md). bench/linear_kernel.py --splitk times it per
+projection, bench/engine.py --variants row_parallel=triton per step. Triton is optional, as in
 moe_triton.py; on CPU tensors the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1
 set before triton is first imported)."""
 

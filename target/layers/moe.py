@@ -12,7 +12,7 @@ from torch import nn
 
 from configs.model import TargetConfig
 from target.distributed import TPGroup, all_reduce
-from target.kernels import fused, moe_router
+from target.kernels import fused
 from target.kernels.moe import gathered_experts, grouped_experts, grouped_mm_available
 from target.kernels.moe_route import route_topk
 from target.kernels.moe_sorted import SORTED_MAX, sorted_experts, sorted_experts_available
@@ -160,10 +160,7 @@ class SparseMoE(nn.Module):
 
     def __init__(self, cfg: TargetConfig, tp: TPGroup, dtype: torch.dtype):
         super().__init__()
-        # KernelConfig.moe_routing: fused.moe_route ("torch"), route_topk ("triton"), or
-        # "fused": moe_router's one launch for the router's GEMV and top-k where it takes the
-        # step (the pair kernels' steps), route_topk elsewhere
-        self.routing = "torch"
+        self.routing = "torch"  # KernelConfig.moe_routing: fused.moe_route, or "triton"
         self.tp = tp
         self.top_k = cfg.num_experts_per_tok
         h, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
@@ -179,7 +176,7 @@ class SparseMoE(nn.Module):
             and self.shared_expert.down_proj.weight.shape == self.experts.down_proj.shape[1:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | MoEOutput:
-        route = fused.moe_route if self.routing == "torch" else route_topk
+        route = route_topk if self.routing == "triton" else fused.moe_route
         if self.shared_in_pairs and self.experts.resolve(x, x.shape[0] * self.top_k) == "pairs":
             return self._pairs_with_shared(x, route)
         y = stacked_linear(x, self.in_proj, sum(self.in_sizes))
@@ -199,16 +196,9 @@ class SparseMoE(nn.Module):
     def _pairs_with_shared(self, x: torch.Tensor, route) -> torch.Tensor | MoEOutput:
         """The router and the shared-expert gate (the first E + 1 rows of in_proj), then the
         routed experts and the shared one in the pair kernels' two launches."""
-        experts, router_rows = self.in_sizes[0], sum(self.in_sizes[:2])
-        router = self.in_proj[:router_rows]
-        if self.routing == "fused" and moe_router.available(x, router, experts, self.top_k):
-            logits, topk_weights, topk_ids = moe_router.router_topk(x, router, experts,
-                                                                    self.top_k)
-            shared_gate = logits[:, experts:]
-        else:
-            logits, shared_gate = stacked_linear(x, self.in_proj, router_rows).split(
-                self.in_sizes[:2], dim=-1)
-            topk_weights, topk_ids = route(logits, self.top_k, x.dtype)
+        logits, shared_gate = stacked_linear(x, self.in_proj, sum(self.in_sizes[:2])).split(
+            self.in_sizes[:2], dim=-1)
+        topk_weights, topk_ids = route(logits, self.top_k, x.dtype)
         shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight)
         rows = pair_experts(x, self.experts.gate_up_proj, self.experts.down_proj, topk_ids,
                             topk_weights, reduce=False, shared=shared)  # [T, k + 1, H]

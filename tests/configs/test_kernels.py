@@ -30,7 +30,6 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
         gdn_prologue,
         gdn_slots,
         moe_route,
-        moe_router,
         moe_sorted,
         moe_triton,
         qk_rope_triton,
@@ -38,12 +37,10 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
     )
 
     for module in (moe_route, gdn_slots, moe_sorted, moe_triton, qk_rope_triton, gdn_prologue,
-                   splitk_linear, moe_router):
+                   splitk_linear):
         monkeypatch.setattr(module, "_interpreted", lambda: False)
     with pytest.raises(ValueError, match="moe_routing 'triton'"):
         KernelConfig(moe_routing="triton").routing_kernel("cpu")
-    with pytest.raises(ValueError, match="moe_routing 'fused'"):
-        KernelConfig(moe_routing="fused").routing_kernel("cpu")
     with pytest.raises(ValueError, match="gdn_recurrence 'slots'"):
         KernelConfig(gdn_recurrence="slots").recurrence_kernel("cpu")
     with pytest.raises(ValueError, match="attention_prologue 'triton'"):
