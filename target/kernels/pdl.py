@@ -10,8 +10,8 @@ the wait, so each kernel still does all its work after the previous one's, on th
 with the same bits: what overlaps is a kernel's launch and ramp with its predecessor's tail,
 the gaps between the few-microsecond kernels of a decode step. A kernel without PDL (cuBLAS,
 the compiled elementwise chains) waits for everything before it, as ever, and a PDL kernel
-after one of them simply starts when it ends. CUDA graphs capture the launches with their
-programmatic edges.
+after one of them is launched when it ends. Stream capture keeps the programmatic dependencies
+in the engine's CUDA graphs (docs/BENCHMARKS.md's decode figures with PDL are graph replays).
 
 Process-wide, like the compiled elementwise chains (target/kernels/fused.py): the models'
 `set_kernels` call `enable()` with KernelConfig's resolved `pdl`; each launch reads it, so a
