@@ -202,7 +202,9 @@ def bench_batch(target, draft, b: int, args, bw: float, device: torch.device,
     def set_block(B: int) -> None:
         drafter.block_size = B
 
+    before = gpu_state(device)
     r = time_steps(batch, args, lambda: sync(device), args.block_sizes, set_block)
+    r["gpu_state"] = {"before": before, "after": gpu_state(device)}
     if floors is not None:
         r.update(floors)
     else:
@@ -227,6 +229,41 @@ def bench_batch(target, draft, b: int, args, bw: float, device: torch.device,
     failed.update({f"proposal {k}": v for k, v in drafter.failed.items()})
     r["graph_failures"] = failed  # shapes that ran eagerly: their capture failed
     return r
+
+
+def state_table(results: dict) -> str:
+    """Each run's gpu_state, before and after its timings, as a markdown table."""
+    def cell(state: dict | None, key: str) -> str:
+        value = (state or {}).get(key)
+        return "-" if value is None else f"{value:.0f}"
+
+    rows = ["| variant | batch | context | SM MHz before / after | °C before / after | "
+            "W before / after |", "|---|---|---|---|---|---|"]
+    for r in results["ours"]:
+        st = r.get("gpu_state") or {}
+        rows.append(f"| {r.get('variant', 'baseline')} | {r['batch']} | "
+                    f"{r.get('prompt_len', '')} | "
+                    + " | ".join(f"{cell(st.get('before'), k)} / {cell(st.get('after'), k)}"
+                                 for k in ("sm_clock_mhz", "temperature_c", "power_w")) + " |")
+    return "\n".join(rows)
+
+
+def gpu_state(device: torch.device) -> dict | None:
+    """The GPU's SM clock (MHz), temperature (°C) and power draw (W) now, where NVML answers
+    (torch.cuda's queries; None for a figure it cannot give, None on CPU): a run's figures
+    drift with them (docs/BENCHMARKS.md, eighteenth session), so each run records them before
+    and after its timings."""
+    if device.type != "cuda":
+        return None
+    state = {}
+    for name, query, scale in (("sm_clock_mhz", torch.cuda.clock_rate, 1),
+                               ("temperature_c", torch.cuda.temperature, 1),
+                               ("power_w", torch.cuda.power_draw, 1e-3)):
+        try:
+            state[name] = query(device) * scale
+        except Exception:  # no NVML (pynvml / amdsmi) on this host
+            state[name] = None
+    return state
 
 
 @torch.inference_mode()
@@ -379,6 +416,8 @@ def main() -> None:
             print(json.dumps(results["transformers"]), flush=True)
             save()
     print(table(results))
+    if device.type == "cuda":
+        print(state_table(results))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@
 #            AB_VARIANTS (KernelConfig fields; by default the output projections through the
 #            split-K kernel and cuBLAS alternately, row_parallel=triton, row_parallel=torch
 #            (the defaults again), row_parallel=triton: a process's later contexts ran up to
-#            0.19 ms slower than its first on an H100, so an A/B alternates)
+#            0.19 ms slower than its first on an H100, so an A/B alternates; a second table
+#            gives each run's SM clock, temperature and power before and after its timings)
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
 #            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
 #            commit, 1 and 8 sequences

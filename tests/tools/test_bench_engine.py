@@ -60,6 +60,27 @@ def test_bench_engine_reports_every_step_with_floors(tmp_path):
     assert r["transformers"]["decode_ms"] > 0
     assert "| variant | batch |" in proc.stdout
     assert {x["variant"] for x in r["ours"]} == {"baseline"}
+    assert all(x["gpu_state"] == {"before": None, "after": None} for x in r["ours"])  # CPU
+
+
+def test_gpu_state_records_what_nvml_answers(monkeypatch):
+    """bench.engine.gpu_state: the SM clock, temperature and power (mW → W) torch.cuda's
+    NVML queries give, None for one that fails (a host without NVML), None on CPU."""
+    from bench.engine import gpu_state, state_table
+
+    def no_nvml(device=None):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device=None: 1980)
+    monkeypatch.setattr(torch.cuda, "temperature", no_nvml)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda device=None: 412500)
+    state = gpu_state(torch.device("cuda", 0))
+    assert state == {"sm_clock_mhz": 1980, "temperature_c": None, "power_w": 412.5}
+    assert gpu_state(torch.device("cpu")) is None
+    results = {"ours": [{"variant": "pdl=off", "batch": 1, "prompt_len": 512,
+                         "gpu_state": {"before": state, "after": {**state, "sm_clock_mhz": 1755}}}]}
+    assert state_table(results).splitlines()[-1] == \
+        "| pdl=off | 1 | 512 | 1980 / 1755 | - / - | 412 / 412 |"
 
 
 def test_bench_engine_measures_kernel_variants_in_the_same_run(tmp_path):
