@@ -48,6 +48,7 @@
 #            prologues taken back: both, then each alone), then the defaults again (the spread)
 # Usage: pip download --no-deps -d .whl flash-linear-attention fla-core   (on a machine with pip)
 #        pip download --no-deps dflash==0.1.0 -d .whl   (the tests' reference draft)
+#        pip download --no-deps nvidia-ml-py -d .whl   (NVML for bench.engine's gpu_state)
 #        OUT=/some/dir bash tools/gpu_fastpath_check.sh [tests profile golden bench]
 # (each part's timeout: TESTS_TIMEOUT, PROFILE_TIMEOUT, GOLDEN_TIMEOUT, BENCH_TIMEOUT seconds)
 # (the device tool: carry .whl)
