@@ -63,8 +63,10 @@ ROW_PARALLEL = ("auto", "torch", "triton")
 # programmatic dependent launch, each kernel's launch and ramp overlapping the tail of the
 # kernel before it (each still waits for that kernel's writes before it reads or writes
 # anything: the same bits); "off", plainly; "auto" is on where it runs (a CUDA GPU of compute
-# capability 9.0 or later, a Triton with the launch_pdl option), off elsewhere. Process-wide.
-PDL = ("auto", "on", "off")
+# capability 9.0 or later, a Triton with the launch_pdl option), off elsewhere. "all" (a
+# variant until timed: `bench.engine --variants pdl=all`) is "on" and the compiled elementwise
+# chains through Inductor's own PDL as well. Process-wide.
+PDL = ("auto", "on", "off", "all")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -230,9 +232,22 @@ class KernelConfig:
         if self.pdl == "off":
             return False
         reason = pdl.supported(device)
-        if self.pdl == "on" and reason is not None:
-            raise ValueError(f"pdl 'on': {reason}")
+        if self.pdl in ("on", "all") and reason is not None:
+            raise ValueError(f"pdl {self.pdl!r}: {reason}")
         return reason is None
+
+    def pdl_compiled(self, device: torch.device | str) -> bool:
+        """Whether the compiled elementwise chains take PDL too (pdl "all": checked as "on",
+        and Inductor must have its own PDL)."""
+        from target.kernels import pdl
+
+        if self.pdl != "all":
+            return False
+        self.pdl_launch(device)
+        reason = pdl.compiled_supported()
+        if reason is not None:
+            raise ValueError(f"pdl 'all': {reason}")
+        return True
 
     def round_attention(self, device: torch.device | str, graphs: bool) -> str:
         """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";

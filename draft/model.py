@@ -190,7 +190,7 @@ class DFlashDraftModel(nn.Module):
         set_block_attention(self, kernels.block_attention(self.device),
                             kernels.attention_launch())
         target_fused.enable(kernels.compiles_elementwise(graphs))
-        pdl.enable(kernels.pdl_launch(self.device))
+        pdl.enable(kernels.pdl_launch(self.device), kernels.pdl_compiled(self.device))
 
     # ---- weights -------------------------------------------------------------------------
 

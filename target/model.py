@@ -95,7 +95,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
                 m.routing = routing
                 m.experts.kernel = experts
         fused.enable(kernels.compiles_elementwise(graphs))
-        pdl.enable(kernels.pdl_launch(device))
+        pdl.enable(kernels.pdl_launch(device), kernels.pdl_compiled(device))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -17,6 +17,10 @@ Process-wide, like the compiled elementwise chains (target/kernels/fused.py): th
 `set_kernels` call `enable()` with KernelConfig's resolved `pdl`; each launch reads it, so a
 captured graph keeps the setting in force when it was captured. Off CUDA (Triton's
 interpreter: the tests) a kernel's PDL is always off.
+
+The compiled elementwise chains (norms, gates, the MoE combine: ~90 kernels a decode step) can
+take PDL too, through Inductor's own code generation (`enable(compiled=True)`, KernelConfig
+pdl "all"): a variant until timed against the Triton kernels' PDL alone.
 """
 
 from __future__ import annotations
@@ -52,11 +56,36 @@ def supported(device: torch.device | str) -> str | None:
     return None
 
 
-def enable(on: bool) -> None:
+def compiled_supported() -> str | None:
+    """Why the compiled elementwise chains cannot take PDL (beyond `supported`), or None:
+    it needs an Inductor with its own PDL code generation."""
+    try:
+        import torch._inductor.config as inductor
+    except ImportError:
+        return "torch has no Inductor"
+    if not hasattr(inductor.triton, "enable_pdl"):
+        return f"torch {torch.__version__}'s Inductor has no enable_pdl"
+    return None
+
+
+def enable(on: bool, compiled: bool = False) -> None:
     """Launch the engine's Triton kernels with PDL (on) or plainly, from now on, in this
-    process (KernelConfig.pdl_kernel says whether the device can)."""
+    process (KernelConfig.pdl_launch says whether the device can). compiled: the elementwise
+    chains torch.compile makes (target/kernels/fused.py) too, through Inductor's own PDL
+    (torch._inductor.config.triton.enable_pdl: each waits before its first load of data the
+    previous kernel may write); a change of it drops what torch.compile has compiled, so that
+    the chains compile again under it."""
     global _enabled
     _enabled = on
+    if compiled_supported() is not None:
+        if compiled:
+            raise ValueError(f"PDL for the compiled chains: {compiled_supported()}")
+        return
+    import torch._inductor.config as inductor
+
+    if inductor.triton.enable_pdl != compiled:
+        inductor.triton.enable_pdl = compiled
+        torch._dynamo.reset()
 
 
 def enabled() -> bool:

@@ -215,6 +215,9 @@ def test_pdl_is_off_where_it_cannot_run_and_on_asks_for_it(monkeypatch, tiny_dem
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
         assert KernelConfig().pdl_launch("cuda") is True
         assert KernelConfig(pdl="off").pdl_launch("cuda") is False
+    with pytest.raises(ValueError, match="pdl 'all': it needs a CUDA device"):
+        KernelConfig(pdl="all").pdl_compiled("cpu")
+    assert KernelConfig(pdl="on").pdl_compiled("cpu") is False
     target = load_target(str(tiny_demo[0]))
     try:
         pdl.enable(True)
@@ -223,6 +226,36 @@ def test_pdl_is_off_where_it_cannot_run_and_on_asks_for_it(monkeypatch, tiny_dem
         assert not pdl.enabled()
     finally:
         pdl.enable(False)
+
+
+def test_pdl_all_takes_the_compiled_chains_through_inductors_own_pdl(monkeypatch):
+    """pdl "all": the Triton kernels' PDL and Inductor's (torch._inductor.config.triton.
+    enable_pdl) for the compiled chains; a change of the latter drops what torch.compile
+    compiled (they compile again under it), no change drops nothing."""
+    import torch
+
+    from target.kernels import pdl
+
+    if pdl.triton is None or pdl.compiled_supported() is not None:
+        pytest.skip(f"needs Triton and Inductor's PDL: {pdl.compiled_supported()}")
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert KernelConfig(pdl="all").pdl_launch("cuda") is True
+    assert KernelConfig(pdl="all").pdl_compiled("cuda") is True
+    assert KernelConfig().pdl_compiled("cuda") is False
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    try:
+        pdl.enable(True, compiled=True)
+        assert pdl.enabled() and inductor.triton.enable_pdl and len(resets) == 1
+        pdl.enable(True, compiled=True)
+        assert len(resets) == 1
+        pdl.enable(True)
+        assert not inductor.triton.enable_pdl and len(resets) == 2
+    finally:
+        pdl.enable(False)
+    assert not inductor.triton.enable_pdl
 
 
 def cfg_params():

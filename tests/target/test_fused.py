@@ -87,6 +87,26 @@ def test_compiled_fusions_equal_eager_on_cuda():
     check("cuda")
 
 
+@pytest.mark.gpu
+def test_compiled_fusions_with_inductors_pdl_give_the_same_bits():
+    """KernelConfig pdl "all" (target/kernels/pdl.py): the chains compiled with Inductor's own
+    PDL wait before their first load and give the bits of the chains compiled without."""
+    from target.kernels import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9 or pdl.compiled_supported() is not None:
+        pytest.skip("needs sm90 and Inductor's PDL")
+    for fn, args in cases("cuda"):
+        plain = fn.compile()(*args)
+        try:
+            pdl.enable(False, compiled=True)
+            with_pdl = fn.compile()(*args)
+        finally:
+            pdl.enable(False)
+        for a, b in zip(with_pdl if isinstance(with_pdl, tuple) else (with_pdl,),
+                        plain if isinstance(plain, tuple) else (plain,), strict=True):
+            assert torch.equal(a, b), fn.__name__
+
+
 def test_enable_routes_only_cuda_tensors_through_the_compiler():
     x, w = torch.randn(3, 8), torch.zeros(8)
     fused.enable()
