@@ -156,15 +156,17 @@ if triton is not None:
     from target.kernels.pdl import await_prior
 
     @triton.jit
-    def _partial(x_ptr, w_ptr, part_ptr, M, N, K, slice_k, stride_xm, stride_xk, stride_wn,
-                 tile, split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-        """Rows 0 … M of x times weight rows tile·BLOCK_N … over the split-th slice of K
-        (slice_k deep), in fp32, stored to the split's [BLOCK_M, N] plane of part_ptr; then a
-        CTA barrier, so that every thread's stores come before the program's arrival."""
+    def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, slice_k,
+                       stride_xm, stride_xk, stride_wn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLITS: tl.constexpr, PDL: tl.constexpr):
+        await_prior(PDL)
+        tile = tl.program_id(0)
+        split = tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_M)
-        ks = split * slice_k + tl.arange(0, BLOCK_K)
+        start = split * slice_k
+        ks = start + tl.arange(0, BLOCK_K)
         row_ok = rows < M
         col_ok = cols < N
         x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk
@@ -179,30 +181,16 @@ if triton is not None:
             acc = tl.dot(xt, wt, acc)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K
-        tl.store(part_ptr + split * BLOCK_M * N + rows[:, None] * N + cols[None, :], acc,
-                 mask=row_ok[:, None] & col_ok[None, :])
+        tile_at = rows[:, None] * N + cols[None, :]  # [BLOCK_M, BLOCK_N] of one split's plane
+        ok = row_ok[:, None] & col_ok[None, :]
+        tl.store(part_ptr + split * BLOCK_M * N + tile_at, acc, mask=ok)
         # Every thread's stores of the partial before the one atomic of the program (a scalar
-        # atomic is one thread's); with the atomic's acq_rel, the partial is visible before
-        # its arrival counts, and the last to arrive sees every partial stored before the
-        # others arrived (read through L2, .cg, where no stale L1 line can serve them).
+        # atomic is one thread's); acq_rel: the partial is visible before its arrival counts,
+        # and the last to arrive sees every partial stored before the others arrived (read
+        # through L2, .cg, where no stale L1 line can serve them).
         tl.debug_barrier()
-
-    @triton.jit
-    def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, slice_k,
-                       stride_xm, stride_xk, stride_wn,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLITS: tl.constexpr, PDL: tl.constexpr):
-        await_prior(PDL)
-        tile = tl.program_id(0)
-        split = tl.program_id(1)
-        _partial(x_ptr, w_ptr, part_ptr, M, N, K, slice_k, stride_xm, stride_xk, stride_wn,
-                 tile, split, BLOCK_M, BLOCK_N, BLOCK_K)
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLITS - 1:
-            cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            rows = tl.arange(0, BLOCK_M)
-            tile_at = rows[:, None] * N + cols[None, :]  # of one split's plane
-            ok = (rows < M)[:, None] & (cols < N)[None, :]
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLITS):  # split order, whoever arrived last
                 total += tl.load(part_ptr + s * BLOCK_M * N + tile_at, mask=ok, other=0.0,
