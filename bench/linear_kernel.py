@@ -9,9 +9,6 @@ runs them now, and with each group fused.
     python -m bench.linear_kernel --device cuda --out linear_kernel.json
     python -m bench.linear_kernel --device cpu   # smoke check: tiny sizes
     python -m bench.linear_kernel --device cuda --layouts nk kn   # and each weight transposed
-    python -m bench.linear_kernel --device cuda --splitk default 16,256,8,4,3
-        # and target/kernels/splitk_linear.py's kernel at M ≤ its MAX_ROWS, in each tile
-        # (block_n, block_k, splits, warps, stages); "default" is the model's tile_for
 
 Real sizes, bf16, rows M in ROWS. A shape's weight exists in enough copies (ROTATE_BYTES
 together, about 5× the 50 MB L2, at most MAX_COPIES) that consecutive calls read different
@@ -91,9 +88,7 @@ LAYOUTS = ("nk", "kn")
 
 def bench_shape(n: int, k: int, rows: list[int], device: torch.device, dtype: torch.dtype,
                 iters: int, layout: str = "nk") -> list[dict]:
-    """F.linear with an N × K weight at each M (`layout` "kn": x @ a [K, N] weight; a
-    "splitk …" layout: splitk_linear in that tile, "splitk default" in the model's, at
-    M ≤ its MAX_ROWS, with its error against fp32 F.linear in eps of the dtype)."""
+    """F.linear with an N × K weight at each M (`layout` "kn": x @ a [K, N] weight)."""
     nbytes = n * k * dtype.itemsize
     if device.type == "cuda":
         copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // nbytes)))
@@ -103,19 +98,9 @@ def bench_shape(n: int, k: int, rows: list[int], device: torch.device, dtype: to
     shape = (k, n) if layout == "kn" else (n, k)
     weights = [torch.randn(*shape, device=device, dtype=dtype) * k**-0.5 for _ in range(copies)]
     out = []
-    if layout.startswith("splitk"):
-        from target.kernels import splitk_linear
-
-        tile = layout.split()[1]
-        tile = (splitk_linear.tile_for(n, k) if tile == "default"
-                else splitk_linear.Tile.parse(tile))
-        rows = [m for m in rows if m <= splitk_linear.MAX_ROWS]
     for m in rows:
         x = torch.randn(m, k, device=device, dtype=dtype)
-        if layout.startswith("splitk"):
-            calls = [lambda x=x, w=weights[i % copies]: splitk_linear.splitk_linear(x, w, tile)
-                     for i in range(num_calls)]
-        elif layout == "nk":
+        if layout == "nk":
             calls = [lambda x=x, w=weights[i % copies]: F.linear(x, w) for i in range(num_calls)]
         else:
             calls = [lambda x=x, w=weights[i % copies]: x @ w for i in range(num_calls)]
@@ -123,10 +108,6 @@ def bench_shape(n: int, k: int, rows: list[int], device: torch.device, dtype: to
         out.append({"n": n, "k": k, "rows": m, "layout": layout, "copies": copies,
                     "l2_fits": device.type == "cuda" and copies * nbytes <= L2_BYTES,
                     "us": round(us, 2), "gb_s": round(nbytes / us / 1e3, 1)})
-        if layout.startswith("splitk"):
-            want = F.linear(x.float(), weights[0].float())
-            err = (calls[0]().float() - want).abs().max() / want.abs().max()
-            out[-1]["rel_err_eps"] = round((err / torch.finfo(dtype).eps).item(), 3)
     del weights
     return out
 
@@ -195,10 +176,6 @@ def main() -> None:
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["nk"],
                    help="weight storage to time: nk (the model's, [N, K]; the per-step sums "
                         "use it, so it is always timed) and kn (its transpose, x @ w)")
-    p.add_argument("--splitk", nargs="*", default=[], metavar="TILE",
-                   help="also time splitk_linear in these tiles (block_n,block_k,splits,"
-                        "warps,stages; 'default': the model's) at M ≤ its MAX_ROWS; on CPU it "
-                        "runs in Triton's interpreter (TRITON_INTERPRET=1)")
     p.add_argument("--out", help="JSON file for the results")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -209,9 +186,7 @@ def main() -> None:
 
     shapes = REAL if device.type == "cuda" else SMALL
     groups = GROUPS[device.type]
-    # the Triton kernel takes bf16/fp16 only: fp16 on CPU, numpy's own half type
-    dtype = (torch.bfloat16 if device.type == "cuda" else
-             torch.float16 if args.splitk else torch.float32)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     iters = args.iters if device.type == "cuda" else min(args.iters, 2)
     copy_gb_s = measure_bandwidth(device, (2 << 30) if device.type == "cuda" else (64 << 20))
     copy_gb_s /= 1e9
@@ -221,7 +196,7 @@ def main() -> None:
     todo += [fused_shape(shapes, members, 1) for members in groups.values()]
     rows = []
     for n, k in dict.fromkeys(todo):
-        for layout in dict.fromkeys(["nk", *args.layouts, *(f"splitk {t}" for t in args.splitk)]):
+        for layout in dict.fromkeys(["nk", *args.layouts]):
             rows += bench_shape(n, k, ROWS[device.type], device, dtype, iters, layout)
         print(f"{n}×{k} done", flush=True)
     steps = per_step(shapes, groups, rows, copy_gb_s)

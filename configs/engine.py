@@ -111,7 +111,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     moe_backend: str = "auto"
     # The other kernel choices, "field=value[,…]" over configs/kernels.py's KernelConfig
-    # (moe_routing, gdn_recurrence, gdn_prologue, attention_prologue, row_parallel, pdl,
+    # (moe_routing, gdn_recurrence, gdn_prologue, attention_prologue, pdl,
     # gdn_rounds): to compare a variant with the defaults (tools/golden_check.py), or to step
     # around a kernel. "": the defaults, the paths measured fastest.
     kernel_overrides: str = ""
@@ -148,7 +148,6 @@ class EngineConfig:
         kernels.attention_prologue_kernel(self.device)
         kernels.routing_kernel(self.device)
         kernels.gdn_prologue_kernel(self.device)  # (and the recurrence)
-        kernels.row_parallel_kernel(self.device)
         if not self.device.startswith("cuda"):  # (a GPU's own check runs on its worker)
             kernels.pdl_launch(self.device)
         if self.max_num_seqs <= 0:

@@ -51,22 +51,14 @@ GDN_RECURRENCE = ("auto", "fla", "slots")
 # the gated output norm one program per token and head); "auto" is triton on CUDA with the
 # slots recurrence, torch elsewhere.
 GDN_PROLOGUE = ("auto", "torch", "triton")
-# The target's row-parallel projections (attention's o_proj, the GDN's out_proj, the shared
-# expert's down; target/layers/linear.py RowParallelLinear): "triton"
-# (target/kernels/splitk_linear.py: K split across programs and summed in the same launch, up
-# to 16 rows, bf16/fp16; more rows, and fp32, stay on cuBLAS) or "torch" (F.linear: cuBLAS,
-# a split-K GEMM and a reduce kernel at one row). "auto" is torch on every device: the goldens
-# hold with the kernel, but its gain beside PDL is not yet clear (docs/BENCHMARKS.md): a
-# variant, `bench.engine --variants row_parallel=triton`, `--kernel-overrides`.
-ROW_PARALLEL = ("auto", "torch", "triton")
-# How the engine's Triton kernels are launched (target/kernels/pdl.py): "on", with CUDA's
+# How the engine's GPU kernels are launched (target/kernels/pdl.py): "on", with CUDA's
 # programmatic dependent launch, each kernel's launch and ramp overlapping the tail of the
-# kernel before it (each still waits for that kernel's writes before it reads or writes
-# anything: the same bits); "off", plainly; "auto" is on where it runs (a CUDA GPU of compute
-# capability 9.0 or later, a Triton with the launch_pdl option), off elsewhere. "all" (a
-# variant until timed: `bench.engine --variants pdl=all`) is "on" and the compiled elementwise
-# chains through Inductor's own PDL as well. Process-wide.
-PDL = ("auto", "on", "off", "all")
+# kernel before it: the engine's Triton kernels (each waits for that kernel's writes before it
+# reads or writes anything: the same bits) and, where this torch's Inductor has its own PDL,
+# the compiled elementwise chains (each waits before its first load of what the kernel before
+# it wrote); "off", plainly; "auto" is on where it runs (a CUDA GPU of compute capability 9.0
+# or later, a Triton with the launch_pdl option), off elsewhere. Process-wide.
+PDL = ("auto", "on", "off")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -124,7 +116,6 @@ class KernelConfig:
     gdn_rounds: str = "batched"  # GDN_ROUNDS
     gdn_recurrence: str = "auto"  # GDN_RECURRENCE
     gdn_prologue: str = "auto"  # GDN_PROLOGUE
-    row_parallel: str = "auto"  # ROW_PARALLEL
     pdl: str = "auto"  # PDL
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
@@ -139,7 +130,6 @@ class KernelConfig:
         _check("gdn_rounds", self.gdn_rounds, GDN_ROUNDS)
         _check("gdn_recurrence", self.gdn_recurrence, GDN_RECURRENCE)
         _check("gdn_prologue", self.gdn_prologue, GDN_PROLOGUE)
-        _check("row_parallel", self.row_parallel, ROW_PARALLEL)
         _check("pdl", self.pdl, PDL)
 
     def attention_kernel(self, device: torch.device | str) -> str:
@@ -214,15 +204,6 @@ class KernelConfig:
                 raise ValueError("gdn_prologue 'triton' needs gdn_recurrence 'slots'")
         return self.gdn_prologue
 
-    def row_parallel_kernel(self, device: torch.device | str) -> str:
-        """row_parallel resolved on this device: "triton" (asked for: needs Triton and CUDA,
-        or TRITON_INTERPRET=1) or "torch" ("auto": ROW_PARALLEL says why)."""
-        from target.kernels import splitk_linear
-
-        if self.row_parallel == "auto":
-            return "torch"
-        return _triton_or(self.row_parallel, "row_parallel", splitk_linear, device, "torch")
-
     def pdl_launch(self, device: torch.device | str) -> bool:
         """pdl resolved on this device: whether the engine's Triton kernels launch with
         programmatic dependent launch. "on" where it cannot run is a ValueError saying why (on
@@ -232,22 +213,16 @@ class KernelConfig:
         if self.pdl == "off":
             return False
         reason = pdl.supported(device)
-        if self.pdl in ("on", "all") and reason is not None:
-            raise ValueError(f"pdl {self.pdl!r}: {reason}")
+        if self.pdl == "on" and reason is not None:
+            raise ValueError(f"pdl 'on': {reason}")
         return reason is None
 
     def pdl_compiled(self, device: torch.device | str) -> bool:
-        """Whether the compiled elementwise chains take PDL too (pdl "all": checked as "on",
-        and Inductor must have its own PDL)."""
+        """Whether the compiled elementwise chains take PDL too: wherever the Triton kernels
+        do and Inductor has its own PDL (torch._inductor.config.triton.enable_pdl)."""
         from target.kernels import pdl
 
-        if self.pdl != "all":
-            return False
-        self.pdl_launch(device)
-        reason = pdl.compiled_supported()
-        if reason is not None:
-            raise ValueError(f"pdl 'all': {reason}")
-        return True
+        return self.pdl_launch(device) and pdl.compiled_supported() is None
 
     def round_attention(self, device: torch.device | str, graphs: bool) -> str:
         """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";

@@ -13,7 +13,6 @@ from target.kernels import fused, pdl
 from target.layers.attention import GatedAttention, set_round_attention
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.layers.gdn import GatedDeltaNet
-from target.layers.linear import RowParallelLinear
 from target.layers.moe import MoEOutput, SparseMoE
 from target.layers.norm import RMSNorm
 from target.layers.rotary import RotaryEmbedding
@@ -82,11 +81,8 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         experts = kernels.experts_kernel(device)
         launch = kernels.attention_launch()
         attention_prologue = kernels.attention_prologue_kernel(device)
-        row_parallel = kernels.row_parallel_kernel(device)
         for m in self.modules():
-            if isinstance(m, RowParallelLinear):
-                m.kernel = row_parallel
-            elif isinstance(m, GatedAttention):
+            if isinstance(m, GatedAttention):
                 m.triton_launch, m.prologue = launch, attention_prologue
             elif isinstance(m, GatedDeltaNet):
                 m.batched_rounds = kernels.gdn_rounds == "batched"

@@ -3,7 +3,7 @@ in the engine's own dtype and device, and for every divergence whether it starts
 
     python -m tools.golden_check --model DIR --draft-model DIR --device cuda --dtype bfloat16 \
         --num-prompts 100 --max-tokens 64 --block-size 16 --out golden.json
-    python -m tools.golden_check … --kernel-overrides row_parallel=triton   # a variant's
+    python -m tools.golden_check … --kernel-overrides pdl=off   # a variant's
 
 In fp32 the two must agree exactly. In bf16 a verify block and a one-token decode round
 differently (other batch shapes, other reduction orders), so the argmax can flip where the top

@@ -11,23 +11,20 @@
 #            over the defaults, e.g. "gdn_prologue=triton", written to profile_b1_variant.txt;
 #            PROFILE_ARGS: more arguments, e.g. "--prompt-len 131072")
 #   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts;
-#            GOLDEN_KERNELS: kernel overrides, field=value[,…], e.g. row_parallel=triton)
+#            GOLDEN_KERNELS: kernel overrides, field=value[,…], e.g. pdl=off)
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
 #   nofuse   the same without the compiled elementwise chains (--no-fuse), B = 16, no baseline
 #   moe      bench/moe_kernel.py: the pair GEMVs and the sorted-pair block GEMMs (a few launch
 #            shapes each, the pairs' with and without prefetch) against the grouped GEMMs,
 #            1-128 tokens (MOE_ARGS: more arguments, e.g. "--kinds pair --tokens 1 2 4")
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
-#            input as one GEMM, 1-16 rows; and through the split-K few-row kernel
-#            (target/kernels/splitk_linear.py) in the model's tile and a few others
-#            (SPLITK_TILES: block_n,block_k,splits,warps,stages each, or "default")
+#            input as one GEMM, 1-16 rows
 #   longab   bench/engine.py at batch 1, B = 16, at 512 and 131,072 tokens of context (AB_LENS:
 #            others, in the order given), in one process: the defaults, then each of
-#            AB_VARIANTS (KernelConfig fields; by default the output projections through the
-#            split-K kernel and cuBLAS alternately, row_parallel=triton, row_parallel=torch
-#            (the defaults again), row_parallel=triton: a process's later contexts ran up to
-#            0.19 ms slower than its first on an H100, so an A/B alternates; a second table
-#            gives each run's SM clock, temperature and power before and after its timings)
+#            AB_VARIANTS (KernelConfig fields; by default PDL off and on alternately, pdl=off
+#            pdl=on (the defaults again) pdl=off: a process's later contexts ran up to 0.19 ms
+#            slower than its first on an H100, so an A/B alternates; a second table gives each
+#            run's SM clock, temperature and power before and after its timings)
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
 #            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
 #            commit, 1 and 8 sequences
@@ -74,7 +71,7 @@ kernels)  # the Triton kernels' tests that run in the interpreter on CPU, here o
     tests/target/test_gdn_slots.py tests/target/test_gdn_prologue.py \
     tests/target/test_qk_rope_triton.py tests/target/test_moe_triton.py \
     tests/target/test_moe_sorted.py tests/target/test_moe_route.py \
-    tests/target/test_splitk_linear.py > "$OUT/gpu_kernel_tests.txt" 2>&1
+    > "$OUT/gpu_kernel_tests.txt" 2>&1
   tail -4 "$OUT/gpu_kernel_tests.txt" ;;
 moetests)
   gpu_pytest ${TESTS_TIMEOUT:-240} -q -p no:cacheprovider -p no:logging -rfE \
@@ -115,14 +112,13 @@ moe)
     ${MOE_ARGS:-} 2>&1 | tee "$OUT/moe_kernel.log" | tail -40 ;;
 linear)
   timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda --iters 10 \
-    --splitk ${SPLITK_TILES:-default 16,256,8,4,3 16,128,8,4,4 32,256,4,4,3 16,512,2,4,3} \
     --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" \
     | grep -E "^device|(2048×4096|2048×512).*\| (1|16) \|" ;;
 longab)
   timeout ${BENCH_TIMEOUT:-540} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 --block-sizes 16 --no-baseline \
     --prompt-len ${AB_LENS:-512 131072} --iters 5 --warmup 2 \
-    --variants ${AB_VARIANTS:-row_parallel=triton row_parallel=torch row_parallel=triton} \
+    --variants ${AB_VARIANTS:-pdl=off pdl=on pdl=off} \
     --out "$OUT/engine_longab.json" 2>&1 | tee "$OUT/engine_longab.log" \
     | grep -v "falling back" | grep "^|" ;;
 gdn)

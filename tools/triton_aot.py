@@ -125,28 +125,6 @@ def _route_variants() -> list[Variant]:
                     {"experts": 256, "stride_t": 256, "stride_e": 1})]
 
 
-def _splitk_variants() -> list[Variant]:
-    from target.kernels import splitk_linear
-
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
-           "count_ptr": "*i32", "M": I32, "N": I32, "K": I32, "slice_k": I32,
-           "stride_xm": I32, "stride_xk": I32, "stride_wn": I32}
-    out = []
-    # the output projections (2048 × 4096) and the shared expert's down (2048 × 512)
-    for n, k in ((2048, 4096), (2048, 512)):
-        tile = splitk_linear.tile_for(n, k)
-        per_split = -(-k // tile.splits)  # as splitk_linear: whole K steps a slice
-        slice_k = -(-per_split // tile.block_k) * tile.block_k
-        out.append(Variant(
-            f"split-K projection {n}x{k}", "target.kernels.splitk_linear", "_splitk_kernel",
-            sig, {"BLOCK_M": splitk_linear.MAX_ROWS, "BLOCK_N": tile.block_n,
-                  "BLOCK_K": tile.block_k, "SPLITS": tile.splits},
-            {"num_warps": tile.warps, "num_stages": tile.stages},
-            {"M": 1, "N": n, "K": k, "slice_k": slice_k, "stride_xm": k, "stride_xk": 1,
-             "stride_wn": k}))
-    return out
-
-
 def _gdn_variants() -> list[Variant]:
     from target.kernels import gdn_slots
 
@@ -293,7 +271,7 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
 
 def variants(attention_launches: list = ()) -> list[Variant]:
     return (_moe_variants() + _route_variants() + _gdn_variants()
-            + _attention_variants(attention_launches) + _splitk_variants())
+            + _attention_variants(attention_launches))
 
 
 def compile_variant(v: Variant, arch: int, pdl: bool = False) -> dict:

@@ -89,8 +89,9 @@ class TargetWorker(StepLoopEnds):
                                  device=self.device, load_format=self.cfg.load_format)
         self.model.set_kernels(self.cfg.kernels, graphs=self._graphs())
         if self.rank == 0 and self.device.type == "cuda":
-            chains = ", the compiled chains too" if self.cfg.kernels.pdl == "all" else ""
-            log.info("Triton kernels: %s", f"programmatic dependent launch (pdl{chains})"
+            chains = (" and the compiled chains" if self.cfg.kernels.pdl_compiled(self.device)
+                      else "")
+            log.info("Triton kernels%s: %s", chains, "programmatic dependent launch (pdl)"
                      if pdl.enabled() else "plain launches (pdl off)")
         if self.aux_ring_rows:  # before the memory profile, so the ring counts as used
             width = len(self.aux_layer_ids) * self.model.config.hidden_size

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL; CUDA, sm90 and later) for the engine's Triton kernels.
+"""Programmatic dependent launch (PDL; CUDA, sm90 and later) for the engine's GPU kernels.
 
 A kernel launched with PDL (CUDA's programmatic stream serialization) may have its programs
 started while the kernel before it in the stream is still running: once every program of
@@ -9,18 +9,30 @@ before it has completed and its memory writes are visible. Nothing is read or wr
 the wait, so each kernel still does all its work after the previous one's, on the same data,
 with the same bits: what overlaps is a kernel's launch and ramp with its predecessor's tail,
 the gaps between the few-microsecond kernels of a decode step. A kernel without PDL (cuBLAS,
-the compiled elementwise chains) waits for everything before it, as ever, and a PDL kernel
-after one of them is launched when it ends. Stream capture keeps the programmatic dependencies
+fla's) waits for everything before it, as ever, and a PDL kernel after one of them is
+launched when it ends. Stream capture keeps the programmatic dependencies
 in the engine's CUDA graphs (docs/BENCHMARKS.md's decode figures with PDL are graph replays).
+
+The compiled elementwise chains (norms, gates, the MoE combine: ~90 kernels a decode step)
+take PDL too where this torch's Inductor has its own code generation for it (`enable(compiled=
+True)`): Inductor puts `griddepcontrol.wait` before a kernel's first load of a buffer the
+kernel before it in the same compiled graph writes, and `launch_dependents` after that wait.
+Its loads of other buffers may come before the wait. That is safe beside the engine's
+kernels: a chain's first kernel waits before its first load, and every kernel that loads
+anything has the wait and lets the next one launch only after it, so a later kernel of a
+chain starts only once everything before the kernel before it has completed. (Every kernel
+of the chains here, target/kernels/fused.py and draft/fused.py, loads: they create no tensors
+of their own.) Its bits are not always those of the chain compiled without PDL: in one
+of the tests' chains (the GDN conv with fp32 q and k) some values came out apart by rounding
+(at most 1.2e-7, the same each run), though Inductor's Triton source differed only by the two
+PDL lines (docs/BENCHMARKS.md). What exactness needs holds either way: a decode, a verify
+block and a prefill run the same compiled chains, so the goldens (docs/ARCHITECTURE.md)
+compare like with like.
 
 Process-wide, like the compiled elementwise chains (target/kernels/fused.py): the models'
 `set_kernels` call `enable()` with KernelConfig's resolved `pdl`; each launch reads it, so a
 captured graph keeps the setting in force when it was captured. Off CUDA (Triton's
 interpreter: the tests) a kernel's PDL is always off.
-
-The compiled elementwise chains (norms, gates, the MoE combine: ~90 kernels a decode step) can
-take PDL too, through Inductor's own code generation (`enable(compiled=True)`, KernelConfig
-pdl "all"): a variant until timed against the Triton kernels' PDL alone.
 """
 
 from __future__ import annotations
@@ -72,9 +84,8 @@ def enable(on: bool, compiled: bool = False) -> None:
     """Launch the engine's Triton kernels with PDL (on) or plainly, from now on, in this
     process (KernelConfig.pdl_launch says whether the device can). compiled: the elementwise
     chains torch.compile makes (target/kernels/fused.py) too, through Inductor's own PDL
-    (torch._inductor.config.triton.enable_pdl: each waits before its first load of data the
-    previous kernel may write); a change of it drops what torch.compile has compiled, so that
-    the chains compile again under it."""
+    (torch._inductor.config.triton.enable_pdl; KernelConfig.pdl_compiled); a change of it
+    drops what torch.compile has compiled, so that the chains compile again under it."""
     global _enabled
     _enabled = on
     if compiled_supported() is not None:

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from target.distributed import TPGroup, all_reduce
-from target.kernels import splitk_linear
 from target.weights import WeightSource, copy_into, expect_shape
 
 
@@ -93,9 +92,6 @@ class RowParallelLinear(nn.Module):
         self.in_local = tp.shard(in_features, "row-parallel input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), False)
         self.weight.weight_loader = self.weight_loader
-        # KernelConfig.row_parallel, resolved: "triton" takes the products of few rows that
-        # target/kernels/splitk_linear.py takes (bf16/fp16, up to 16 rows), "torch" F.linear
-        self.kernel = "torch"
 
     def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id=None) -> None:
         expect_shape(src, (param.shape[0], self.in_local * self.tp.size))
@@ -103,10 +99,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, src.read(slice(None), slice(start, start + self.in_local)), src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "triton" and splitk_linear.available(x, self.weight):
-            y = splitk_linear.splitk_linear(x, self.weight)
-        else:
-            y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight)
         return all_reduce(y, self.tp) if self.reduce else y
 
 

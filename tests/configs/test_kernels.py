@@ -18,7 +18,6 @@ from target.kernels import fused
                                         ("gdn_rounds", "gdn_rounds"),
                                         ("gdn_recurrence", "gdn_recurrence"),
                                         ("gdn_prologue", "gdn_prologue"),
-                                        ("row_parallel", "row_parallel"),
                                         ("pdl", "pdl")])
 def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
     with pytest.raises(ValueError, match=name):
@@ -33,11 +32,9 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
         moe_sorted,
         moe_triton,
         qk_rope_triton,
-        splitk_linear,
     )
 
-    for module in (moe_route, gdn_slots, moe_sorted, moe_triton, qk_rope_triton, gdn_prologue,
-                   splitk_linear):
+    for module in (moe_route, gdn_slots, moe_sorted, moe_triton, qk_rope_triton, gdn_prologue):
         monkeypatch.setattr(module, "_interpreted", lambda: False)
     with pytest.raises(ValueError, match="moe_routing 'triton'"):
         KernelConfig(moe_routing="triton").routing_kernel("cpu")
@@ -47,8 +44,6 @@ def test_triton_kernels_where_they_cannot_run_are_value_errors(monkeypatch, tiny
         KernelConfig(attention_prologue="triton").attention_prologue_kernel("cpu")
     with pytest.raises(ValueError, match="gdn_prologue 'triton'"):
         KernelConfig(gdn_prologue="triton").gdn_prologue_kernel("cpu")
-    with pytest.raises(ValueError, match="row_parallel 'triton'"):
-        KernelConfig(row_parallel="triton").row_parallel_kernel("cpu")
     for moe in ("pairs", "sorted"):  # at EngineConfig already: `serve --moe-backend pairs`
         with pytest.raises(ValueError, match=f"moe_backend '{moe}'"):
             EngineConfig(model=str(tiny_demo[0]), moe_backend=moe)
@@ -66,20 +61,18 @@ def test_auto_takes_the_triton_kernels_on_cuda_only():
 
     default = KernelConfig()
     on = ("routing_kernel", "recurrence_kernel", "attention_prologue_kernel",
-          "gdn_prologue_kernel", "row_parallel_kernel")
+          "gdn_prologue_kernel")
 
     def resolved(config: KernelConfig, device: str) -> tuple[str, ...]:
         return tuple(getattr(config, name)(device) for name in on)
 
-    assert resolved(default, "cpu") == ("torch", "fla", "torch", "torch", "torch")
+    assert resolved(default, "cpu") == ("torch", "fla", "torch", "torch")
     if moe_route.triton is None or gdn_slots.triton is None:
         pytest.skip("Triton is not installed")
-    # the split-K output projections are a variant until timed on a GPU: cuBLAS by default
-    assert resolved(default, "cuda") == ("triton", "slots", "triton", "triton", "torch")
-    assert KernelConfig(row_parallel="triton").row_parallel_kernel("cuda") == "triton"
+    assert resolved(default, "cuda") == ("triton", "slots", "triton", "triton")
     forced = KernelConfig(moe_routing="torch", gdn_recurrence="fla", attention_prologue="torch")
     # the GDN prologue's "auto" follows the recurrence: the fla path takes the torch one
-    assert resolved(forced, "cuda") == ("torch", "fla", "torch", "torch", "torch")
+    assert resolved(forced, "cuda") == ("torch", "fla", "torch", "torch")
     # the Triton GDN prologue leaves q and k at the key heads: the slots recurrence only
     assert KernelConfig(gdn_prologue="triton").gdn_prologue_kernel("cuda") == "triton"
     with pytest.raises(ValueError, match="needs gdn_recurrence 'slots'"):
@@ -104,7 +97,6 @@ def choices(target, draft) -> dict[str, set]:
     from draft.model import DraftAttention
     from target.layers.attention import GatedAttention
     from target.layers.gdn import GatedDeltaNet
-    from target.layers.linear import RowParallelLinear
     from target.layers.moe import SparseMoE
 
     moes = layers(target, SparseMoE)
@@ -118,7 +110,6 @@ def choices(target, draft) -> dict[str, set]:
         "routing": {m.routing for m in moes},
         "experts": {m.experts.kernel for m in moes},
         "block_attention": {m.block_attention for m in layers(draft, DraftAttention)},
-        "row_parallel": {m.kernel for m in layers(target, RowParallelLinear)},
     }
 
 
@@ -140,8 +131,7 @@ def test_set_kernels_reaches_every_layer_of_both_models(tiny_demo, moe):
             "round_attention": {"gathered"}, "prologue": {"torch"}, "batched_rounds": {False},
             "gdn_prologue": {"torch"},
             "launch": {attention_triton.ADAPTIVE_LAUNCH},
-            "routing": {"torch"}, "experts": {moe}, "block_attention": {"gathered"},
-            "row_parallel": {"torch"}}
+            "routing": {"torch"}, "experts": {moe}, "block_attention": {"gathered"}}
     finally:
         fused.enable(False)
 
@@ -181,17 +171,17 @@ def test_kernel_overrides_reach_every_layer_and_are_checked(tiny_demo, monkeypat
     found = choices(executor.runner.model, executor.drafter.model)
     assert found["batched_rounds"] == {False} and found["routing"] == {"torch"}
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    for text, match in (("row_parallel", "'row_parallel' is not field=value"),
+    for text, match in (("pdl", "'pdl' is not field=value"),
                         ("fast=yes", "'fast' is not a kernel choice"),
                         ("compile_elementwise=off", "not a kernel choice"),
                         ("gdn_rounds=sometimes", "gdn_rounds must be one of"),
                         ("moe=pairs", "'moe' is set by moe_backend"),
                         ("attention=torch", "'attention' is set by attention_backend"),
-                        ("row_parallel=triton", "row_parallel 'triton'"),
+                        ("gdn_prologue=triton", "gdn_prologue 'triton'"),
                         ("pdl=on", "pdl 'on': it needs a CUDA device")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(model=target, kernel_overrides=text)
-    assert parse_choices(" row_parallel=torch ,, ") == {"row_parallel": "torch"}
+    assert parse_choices(" pdl=off ,, ") == {"pdl": "off"}
 
 
 def test_pdl_is_off_where_it_cannot_run_and_on_asks_for_it(monkeypatch, tiny_demo):
@@ -215,9 +205,9 @@ def test_pdl_is_off_where_it_cannot_run_and_on_asks_for_it(monkeypatch, tiny_dem
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
         assert KernelConfig().pdl_launch("cuda") is True
         assert KernelConfig(pdl="off").pdl_launch("cuda") is False
-    with pytest.raises(ValueError, match="pdl 'all': it needs a CUDA device"):
-        KernelConfig(pdl="all").pdl_compiled("cpu")
-    assert KernelConfig(pdl="on").pdl_compiled("cpu") is False
+    with pytest.raises(ValueError, match="pdl 'on': it needs a CUDA device"):
+        KernelConfig(pdl="on").pdl_compiled("cpu")
+    assert KernelConfig().pdl_compiled("cpu") is False
     target = load_target(str(tiny_demo[0]))
     try:
         pdl.enable(True)
@@ -228,10 +218,10 @@ def test_pdl_is_off_where_it_cannot_run_and_on_asks_for_it(monkeypatch, tiny_dem
         pdl.enable(False)
 
 
-def test_pdl_all_takes_the_compiled_chains_through_inductors_own_pdl(monkeypatch):
-    """pdl "all": the Triton kernels' PDL and Inductor's (torch._inductor.config.triton.
-    enable_pdl) for the compiled chains; a change of the latter drops what torch.compile
-    compiled (they compile again under it), no change drops nothing."""
+def test_pdl_takes_the_compiled_chains_through_inductors_own_pdl(monkeypatch):
+    """pdl on: the Triton kernels' PDL and Inductor's (torch._inductor.config.triton.
+    enable_pdl) for the compiled chains, where Inductor has it; a change of the latter drops
+    what torch.compile compiled (they compile again under it), no change drops nothing."""
     import torch
 
     from target.kernels import pdl
@@ -241,9 +231,15 @@ def test_pdl_all_takes_the_compiled_chains_through_inductors_own_pdl(monkeypatch
     import torch._inductor.config as inductor
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert KernelConfig(pdl="all").pdl_launch("cuda") is True
-    assert KernelConfig(pdl="all").pdl_compiled("cuda") is True
-    assert KernelConfig().pdl_compiled("cuda") is False
+    for choice in ("auto", "on"):
+        assert KernelConfig(pdl=choice).pdl_launch("cuda") is True
+        assert KernelConfig(pdl=choice).pdl_compiled("cuda") is True
+    assert KernelConfig(pdl="off").pdl_compiled("cuda") is False
+    monkeypatch.setattr(pdl, "compiled_supported", lambda: "torch 2.4's Inductor has no PDL")
+    assert KernelConfig(pdl="on").pdl_launch("cuda") is True  # the Triton kernels alone
+    assert KernelConfig(pdl="on").pdl_compiled("cuda") is False
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     resets = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
     try:

@@ -88,8 +88,8 @@ def test_kernel_backends_reach_the_engine_and_resolve_per_device(tiny_demo, monk
         EngineConfig(model=target, device="cpu", attention_backend="triton")
     # the other choices, as one setting
     cfg = ServeArgs.from_dict({"model": target,
-                               "kernel_overrides": "row_parallel=torch"}).engine_config()
-    assert cfg.kernel_overrides == "row_parallel=torch" and cfg.kernels.row_parallel == "torch"
+                               "kernel_overrides": "pdl=off"}).engine_config()
+    assert cfg.kernel_overrides == "pdl=off" and cfg.kernels.pdl == "off"
     with pytest.raises(ValueError, match="kernel_overrides"):
         ServeArgs.from_dict({"model": target, "kernel_overrides": "gpu=fast"}).engine_config()
 
