@@ -235,34 +235,49 @@ def state_table(results: dict) -> str:
     """Each run's gpu_state, before and after its timings, as a markdown table."""
     def cell(state: dict | None, key: str) -> str:
         value = (state or {}).get(key)
-        return "-" if value is None else f"{value:.0f}"
+        return "-" if value is None else f"{value:.1f}" if key == "reserved_gib" else f"{value:.0f}"
 
-    rows = ["| variant | batch | context | SM MHz before / after | °C before / after | "
-            "W before / after |", "|---|---|---|---|---|---|"]
+    keys = ("sm_clock_mhz", "mem_clock_mhz", "temperature_c", "power_w", "reserved_gib",
+            "segments")
+    rows = ["| variant | batch | context | SM MHz before / after | memory MHz before / after | "
+            "°C before / after | W before / after | reserved GiB before / after | "
+            "segments before / after |", "|---" * (3 + len(keys)) + "|"]
     for r in results["ours"]:
         st = r.get("gpu_state") or {}
         rows.append(f"| {r.get('variant', 'baseline')} | {r['batch']} | "
                     f"{r.get('prompt_len', '')} | "
                     + " | ".join(f"{cell(st.get('before'), k)} / {cell(st.get('after'), k)}"
-                                 for k in ("sm_clock_mhz", "temperature_c", "power_w")) + " |")
+                                 for k in keys) + " |")
     return "\n".join(rows)
 
 
+def _memory_clock(device: torch.device) -> int:
+    """The GPU's memory clock (MHz) through NVML, by the handle torch.cuda's own queries use."""
+    import pynvml
+
+    return pynvml.nvmlDeviceGetClockInfo(torch.cuda._get_pynvml_handler(device),
+                                         pynvml.NVML_CLOCK_MEM)
+
+
 def gpu_state(device: torch.device) -> dict | None:
-    """The GPU's SM clock (MHz), temperature (°C) and power draw (W) now, where NVML answers
-    (torch.cuda's queries; None for a figure it cannot give, None on CPU): a run's figures
-    drift with them (docs/BENCHMARKS.md, eighteenth session), so each run records them before
-    and after its timings."""
+    """The GPU's SM and memory clocks (MHz), temperature (°C) and power draw (W) now, where
+    NVML answers (None for a figure it cannot give), and the caching allocator's reserved GiB
+    and segments; None on CPU. A run's figures drift within a process (docs/BENCHMARKS.md,
+    eighteenth and nineteenth sessions), so each run records these before and after its
+    timings."""
     if device.type != "cuda":
         return None
     state = {}
     for name, query, scale in (("sm_clock_mhz", torch.cuda.clock_rate, 1),
+                               ("mem_clock_mhz", _memory_clock, 1),
                                ("temperature_c", torch.cuda.temperature, 1),
                                ("power_w", torch.cuda.power_draw, 1e-3)):
         try:
             state[name] = query(device) * scale
         except Exception:  # no NVML (pynvml / amdsmi) on this host
             state[name] = None
+    state["reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
+    state["segments"] = torch.cuda.memory_stats(device).get("segment.all.current", 0)
     return state
 
 

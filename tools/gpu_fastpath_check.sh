@@ -24,7 +24,8 @@
 #            AB_VARIANTS (KernelConfig fields; by default PDL off and on alternately, pdl=off
 #            pdl=on (the defaults again) pdl=off: a process's later contexts ran up to 0.19 ms
 #            slower than its first on an H100, so an A/B alternates; a second table gives each
-#            run's SM clock, temperature and power before and after its timings)
+#            run's SM and memory clocks, temperature, power and the caching allocator's
+#            reserved GiB and segments, before and after its timings)
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
 #            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
 #            commit, 1 and 8 sequences

@@ -64,23 +64,33 @@ def test_bench_engine_reports_every_step_with_floors(tmp_path):
 
 
 def test_gpu_state_records_what_nvml_answers(monkeypatch):
-    """bench.engine.gpu_state: the SM clock, temperature and power (mW → W) torch.cuda's
-    NVML queries give, None for one that fails (a host without NVML), None on CPU."""
+    """bench.engine.gpu_state: the SM and memory clocks, temperature and power (mW → W) that
+    NVML gives, None for one that fails (a host without NVML), and the caching allocator's
+    reserved GiB and segments; None on CPU."""
+    from bench import engine
     from bench.engine import gpu_state, state_table
 
     def no_nvml(device=None):
         raise ModuleNotFoundError("pynvml")
 
     monkeypatch.setattr(torch.cuda, "clock_rate", lambda device=None: 1980)
+    monkeypatch.setattr(engine, "_memory_clock", lambda device: 2619)
     monkeypatch.setattr(torch.cuda, "temperature", no_nvml)
     monkeypatch.setattr(torch.cuda, "power_draw", lambda device=None: 412500)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 << 29)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
+        "segment.all.current": 7})
     state = gpu_state(torch.device("cuda", 0))
-    assert state == {"sm_clock_mhz": 1980, "temperature_c": None, "power_w": 412.5}
+    assert state == {"sm_clock_mhz": 1980, "mem_clock_mhz": 2619, "temperature_c": None,
+                     "power_w": 412.5, "reserved_gib": 1.5, "segments": 7}
     assert gpu_state(torch.device("cpu")) is None
     results = {"ours": [{"variant": "pdl=off", "batch": 1, "prompt_len": 512,
-                         "gpu_state": {"before": state, "after": {**state, "sm_clock_mhz": 1755}}}]}
+                         "gpu_state": {"before": state, "after": {**state, "sm_clock_mhz": 1755,
+                                                                  "segments": 9}}}]}
     assert state_table(results).splitlines()[-1] == \
-        "| pdl=off | 1 | 512 | 1980 / 1755 | - / - | 412 / 412 |"
+        "| pdl=off | 1 | 512 | 1980 / 1755 | 2619 / 2619 | - / - | 412 / 412 | 1.5 / 1.5 | 7 / 9 |"
+    monkeypatch.setattr(engine, "_memory_clock", no_nvml)
+    assert gpu_state(torch.device("cuda", 0))["mem_clock_mhz"] is None
 
 
 def test_bench_engine_measures_kernel_variants_in_the_same_run(tmp_path):
