@@ -3,8 +3,8 @@ projection alone, and the groups that read the same input as one GEMM over their
 weights (attention's q/k/v; the MoE's router, shared-expert gate/up and shared-expert gate:
 the model's, its rows padded to a multiple of 8, and unpadded), as
 µs per call, GB/s of weight bytes read and the share of a device copy's bandwidth measured in
-the same run; then per decode step (each shape times its count): the projections as the model
-runs them now, and with each group fused.
+the same run; then per decode step (each shape times its count): every projection alone, and
+with each group as one GEMM, as the model runs them.
 
     python -m bench.linear_kernel --device cuda --out linear_kernel.json
     python -m bench.linear_kernel --device cpu   # smoke check: tiny sizes
@@ -120,9 +120,9 @@ def fused_shape(shapes: dict, members: tuple[str, ...], align: int = 8) -> tuple
 
 
 def per_step(shapes: dict, groups: dict, rows: list[dict], copy_gb_s: float) -> list[dict]:
-    """Per M: µs of one decode step's dense projections as they run now ("separate"), with
-    every group as one GEMM ("fused"), and the copy floor; per group, one call of its
-    projections separate and fused."""
+    """Per M: µs of one decode step's dense projections each alone ("separate"), with every
+    group as one GEMM as the model runs them ("fused"), and the copy floor; per group, one
+    call of its projections separate and fused."""
     def us(n: int, k: int, m: int) -> float:
         return next(r["us"] for r in rows
                     if (r["n"], r["k"], r["rows"], r["layout"]) == (n, k, m, "nk"))
