@@ -10,8 +10,8 @@ the wait, so each kernel still does all its work after the previous one's, on th
 with the same bits: what overlaps is a kernel's launch and ramp with its predecessor's tail,
 the gaps between the few-microsecond kernels of a decode step. A kernel without PDL (cuBLAS,
 fla's) waits for everything before it, as ever, and a PDL kernel after one of them is
-launched when it ends. Stream capture keeps the programmatic dependencies
-in the engine's CUDA graphs (docs/BENCHMARKS.md's decode figures with PDL are graph replays).
+launched when it ends. Stream capture keeps the programmatic dependencies in the engine's
+CUDA graphs (docs/BENCHMARKS.md's decode figures with PDL are graph replays).
 
 The compiled elementwise chains (norms, gates, the MoE combine: ~90 kernels a decode step)
 take PDL too where this torch's Inductor has its own code generation for it (`enable(compiled=
