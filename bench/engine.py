@@ -147,13 +147,21 @@ def time_steps(batch: Batch, args, sync, block_sizes: list[int],
     r = {"batch": batch.b, "prompt_len": args.prompt_len}
     inside = r["inside_ms"] = {}  # where the steps ran: the draft's proposal, the target's step
 
+    # every timed step's ms, in order (wall, and where the steps ran): whether a run's median
+    # moves with all its steps or with a few slow ones
+    samples_ms = r["samples_ms"] = {}
+
     def timed_ms(name: str, fn, warmup: int, iters: int) -> None:
         samples, _ = sample_times(fn, iters, warmup, sync)
         r[f"{name}_ms"] = statistics.median(samples) * 1e3
         last = batch.results[-iters:]
+        kinds = [k for k in ("propose", "verify")
+                 if last[0] is not None and getattr(last[0], f"{k}_s") is not None]
         inside[name] = {k: statistics.median(getattr(x, f"{k}_s") for x in last) * 1e3
-                        for k in ("propose", "verify") if last[0] is not None
-                        and getattr(last[0], f"{k}_s") is not None}
+                        for k in kinds}
+        samples_ms[name] = {"wall": [round(x * 1e3, 4) for x in samples],
+                            **{k: [round(getattr(x, f"{k}_s") * 1e3, 4) for x in last]
+                               for k in kinds}}
 
     b = batch.b
     timed_ms("prefill", lambda: batch.prefill(args.prefill_chunk), 1, 1)

@@ -13,6 +13,7 @@ much less than its wall time is bound by the host (launches, syncs, Python), not
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -91,25 +92,12 @@ def profile_step(name: str, fn, device: torch.device, steps: int, out: str | Non
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="qwen3.5-35b-a3b")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=3)
-    add_kernel_args(p)
-    p.add_argument("--variant", default="", metavar="FIELD=VALUE[,…]",
-                   help="KernelConfig fields over the flags' kernels, as bench/engine.py "
-                        "--variants takes them (e.g. gdn_prologue=triton)")
-    p.add_argument("--out", help="append the operator tables to this file")
-    args = p.parse_args()
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    target = build_target(target_preset(args.preset), dtype, device)
-    draft = build_draft(draft_preset(args.preset), dtype, device, args.block_size)
-    graphs = set_kernels(target, draft, args, device, args.variant)
+STEP_KINDS = ("prefill", "decode", "verify", "draft")
+
+
+def profile_run(target, draft, args, device: torch.device, graphs: bool) -> list[dict]:
+    """One run over fresh caches and graphs: the prompts prefilled, then each of args.kinds
+    profiled."""
     B, b = args.block_size, args.batch
     max_new = (2 * args.steps + 8) * 2 * B
     pages = -(-(args.prompt_len + max_new) // 16)
@@ -117,16 +105,57 @@ def main() -> None:
                           device, graph_max_seqs=b if graphs else 0, graph_max_pages=pages)
     batch = Batch.in_process(target, drafter, tuple(draft.cfg.target_layer_ids), b,
                              args.prompt_len, max_new, 16, device, graphs)
-    batch.prefill()  # also the draft's context
-    steps = {
-        "prefill": batch.prefill,  # the same prompts again: num_cached back to prompt_len
-        "decode": lambda: batch.verify([[]] * b),
-        f"verify_B{B}": lambda: batch.verify(batch.random_drafts(B - 1)),
-        f"draft_B{B}": batch.propose,
-    }
-    for name, fn in steps.items():
-        print(json.dumps(profile_step(f"{name}_b{b}", fn, device, args.steps, args.out)),
-              flush=True)
+
+    def prefill():  # the same prompts again: num_cached back to prompt_len
+        return batch.prefill(args.prefill_chunk or None)
+
+    prefill()  # also the draft's context
+    steps = {"prefill": prefill, "decode": lambda: batch.verify([[]] * b),
+             "verify": lambda: batch.verify(batch.random_drafts(B - 1)),
+             "draft": batch.propose}
+    return [profile_step(f"{kind}_b{b}" if kind in ("prefill", "decode") else
+                         f"{kind}_B{B}_b{b}", steps[kind], device, args.steps, args.out)
+            for kind in args.kinds]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3.5-35b-a3b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=8192,
+                   help="prompt tokens per prefill step over the batch, as bench/engine.py "
+                        "takes it (the engine's max_num_batched_tokens default); 0: one step")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--kinds", nargs="+", choices=STEP_KINDS, default=list(STEP_KINDS),
+                   help="the steps to profile (a long context's prefill is slow to profile)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="profile the steps this many times, each over fresh caches and "
+                        "graphs as each run of bench/engine.py has them: whether a run's "
+                        "slower steps are slower kernels or more host time")
+    add_kernel_args(p)
+    p.add_argument("--variant", default="", metavar="FIELD=VALUE[,…]",
+                   help="KernelConfig fields over the flags' kernels, as bench/engine.py "
+                        "--variants takes them (e.g. gdn_prologue=triton)")
+    p.add_argument("--out", help="append the operator tables to this file")
+    args = p.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    target = build_target(target_preset(args.preset), dtype, device)
+    draft = build_draft(draft_preset(args.preset), dtype, device, args.block_size)
+    graphs = set_kernels(target, draft, args, device, args.variant)
+    rows = []
+    for repeat in range(args.repeats):
+        for row in profile_run(target, draft, args, device, graphs):
+            row["repeat"] = repeat
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if device.type == "cuda":  # as bench/engine.py between runs: the graphs' cycles
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":

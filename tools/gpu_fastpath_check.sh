@@ -9,7 +9,8 @@
 #            consistency at real sizes (alone vs batched; against grouped / pairs)
 #   profile  bench/profile_step.py at batch 1 (CUDA graphs; PROFILE_VARIANT: KernelConfig fields
 #            over the defaults, e.g. "gdn_prologue=triton", written to profile_b1_variant.txt;
-#            PROFILE_ARGS: more arguments, e.g. "--prompt-len 131072")
+#            PROFILE_ARGS: more arguments, e.g. "--prompt-len 131072 --kinds decode verify
+#            --steps 10 --repeats 3": three runs' kernels, each over fresh caches and graphs)
 #   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts;
 #            GOLDEN_KERNELS: kernel overrides, field=value[,…], e.g. pdl=off)
 #   bench    bench/engine.py on the real 35B-A3B architecture with random weights
@@ -26,6 +27,10 @@
 #            slower than its first on an H100, so an A/B alternates; a second table gives each
 #            run's SM and memory clocks, temperature, power and the caching allocator's
 #            reserved GiB and segments, before and after its timings)
+#   procs    bench/engine.py with the defaults alone at batch 1, B = 16, at AB_LENS (default
+#            131,072), PROCS separate processes in turn (default 3), 20 steps each: a
+#            figure from each process's first run, the one a server's start gives, and each
+#            step's ms in the JSON (the spread within a run against the spread between runs)
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
 #            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
 #            commit, 1 and 8 sequences
@@ -90,7 +95,7 @@ profile)  # batch 1, CUDA graphs
   timeout ${PROFILE_TIMEOUT:-150} python3 -m bench.profile_step --device cuda --batch 1 \
     --block-size 16 --out "$OUT/profile_b1${PROFILE_VARIANT:+_variant}.txt" \
     ${PROFILE_VARIANT:+--variant $PROFILE_VARIANT} ${PROFILE_ARGS:-} 2>&1 \
-    | grep -E '^\{|Error|error' | tail -5 ;;
+    | grep -E '^\{|Error|error' | tail -12 ;;
 golden)
   for dtype in ${GOLDEN_DTYPES:-float32 bfloat16}; do
     timeout ${GOLDEN_TIMEOUT:-150} python3 -m tools.golden_check --model tests/assets/tiny/target \
@@ -122,6 +127,14 @@ longab)
     --variants ${AB_VARIANTS:-pdl=off pdl=on pdl=off} \
     --out "$OUT/engine_longab.json" 2>&1 | tee "$OUT/engine_longab.log" \
     | grep -v "falling back" | grep "^|" ;;
+procs)
+  for i in $(seq 1 ${PROCS:-3}); do
+    timeout ${BENCH_TIMEOUT:-200} python3 -m bench.engine --random-weights \
+      --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 --block-sizes 16 --no-baseline \
+      --prompt-len ${AB_LENS:-131072} --iters 20 --warmup 3 \
+      --out "$OUT/engine_proc$i.json" 2>&1 | tee "$OUT/engine_proc$i.log" \
+      | grep -v "falling back" | grep "^| baseline"
+  done ;;
 gdn)
   timeout ${GDN_TIMEOUT:-240} python3 -m bench.gdn_kernel --device cuda \
     --out "$OUT/gdn_kernel.json" 2>&1 | tee "$OUT/gdn_kernel.log" | tail -40 ;;

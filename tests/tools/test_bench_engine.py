@@ -57,6 +57,14 @@ def test_bench_engine_reports_every_step_with_floors(tmp_path):
         assert set(x["projected_speedup_B4"]) == {"3.0", "5.0", "6.3"}
         assert x["engine_overhead_AR_ms"] > 0
         assert all(v > 0 for v in x["engine_overhead_B4_ms"].values())
+        # every timed step's ms in order, wall and inside; the figures are their medians
+        samples = x["samples_ms"]
+        assert set(samples) == {"prefill", "decode", "verify_B4", "draft_B4", "round_B4"}
+        assert len(samples["decode"]["wall"]) == len(samples["decode"]["verify"]) == 2
+        assert x["decode_ms"] == pytest.approx(sum(samples["decode"]["wall"]) / 2, abs=1e-3)
+        assert x["inside_ms"]["decode"]["verify"] == pytest.approx(
+            sum(samples["decode"]["verify"]) / 2, abs=1e-3)
+        assert set(samples["round_B4"]) == {"wall", "propose", "verify"}
     assert r["transformers"]["decode_ms"] > 0
     assert "| variant | batch |" in proc.stdout
     assert {x["variant"] for x in r["ours"]} == {"baseline"}
@@ -283,3 +291,20 @@ def test_profile_step_sorts_kernels_by_kind():
                              ("triton_poi_fused_mul_silu_0", 40, 80.0)], steps=2)
     assert list(kinds) == ["engine triton", "gemm", "compiled chains"]  # by device time
     assert kinds["engine triton"] == {"launches": 40.0, "ms": 0.35}
+
+
+def test_profile_step_profiles_the_kinds_asked_over_fresh_caches_each_repeat(tmp_path):
+    """bench/profile_step.py end to end on the tiny preset: the steps asked for (a prompt in
+    prefill chunks first), once per repeat, each with its wall and kernel times and the
+    operator tables appended to --out."""
+    from bench import profile_step
+
+    out = tmp_path / "prof.txt"
+    rows = profile_step.main(["--preset", "tiny", "--device", "cpu", "--dtype", "float32",
+                              "--prompt-len", "40", "--prefill-chunk", "16", "--steps", "1",
+                              "--block-size", "4", "--kinds", "decode", "verify",
+                              "--repeats", "2", "--out", str(out)])
+    assert [(r["step"], r["repeat"]) for r in rows] == [
+        ("decode_b1", 0), ("verify_B4_b1", 0), ("decode_b1", 1), ("verify_B4_b1", 1)]
+    assert all(r["wall_ms"] > 0 and r["host_syncs"] >= 0 for r in rows)
+    assert out.read_text().count('"step": "decode_b1"') == 2
