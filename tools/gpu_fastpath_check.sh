@@ -30,7 +30,9 @@
 #   procs    bench/engine.py with the defaults alone at batch 1, B = 16, at AB_LENS (default
 #            131,072), PROCS separate processes in turn (default 3), 20 steps each: a
 #            figure from each process's first run, the one a server's start gives, and each
-#            step's ms in the JSON (the spread within a run against the spread between runs)
+#            step's ms in the JSON (the spread within a run against the spread between runs;
+#            PROCS_ENV: environment for them, e.g.
+#            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
 #            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
 #            commit, 1 and 8 sequences
@@ -129,7 +131,7 @@ longab)
     | grep -v "falling back" | grep "^|" ;;
 procs)
   for i in $(seq 1 ${PROCS:-3}); do
-    timeout ${BENCH_TIMEOUT:-200} python3 -m bench.engine --random-weights \
+    env ${PROCS_ENV:-} timeout ${BENCH_TIMEOUT:-200} python3 -m bench.engine --random-weights \
       --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 --block-sizes 16 --no-baseline \
       --prompt-len ${AB_LENS:-131072} --iters 20 --warmup 3 \
       --out "$OUT/engine_proc$i.json" 2>&1 | tee "$OUT/engine_proc$i.log" \
