@@ -12,7 +12,10 @@ verify + context write), and the floor of each step (bytes moved / bandwidth mea
 At batch 1 also transformers' `Qwen3_5MoeForCausalLM` decoding over the same weights. The
 projected DFlash speedup is τ · (t_decode + o_AR) / (t_round(B) + o_round) for each τ, where o
 is the engine's host bookkeeping per step measured with instant runners (bench/
-engine_overhead.py). Medians over --iters.
+engine_overhead.py). Medians over --iters; every step's time is in the JSON too. With CUDA
+graphs each run ends by replaying its captured decode and verify back to back (with their
+logits and argmax, no host work between): the "GPU ms" columns, the device's share of the
+step; the rest of the step's time the GPU waits on the host.
 
     python -m bench.engine --random-weights --preset qwen3.5-35b-a3b --device cuda --tp 2 ...
 
@@ -178,6 +181,38 @@ def time_steps(batch: Batch, args, sync, block_sizes: list[int],
     return r
 
 
+def device_only_ms(graphs, model, rows: int, width: int, iters: int) -> dict | None:
+    """The device's share of a round of `width` tokens a sequence: its captured forward (and
+    commit) replayed `iters` times back to back with the logits GEMM and argmax a step runs
+    after them, no host work between (no inputs built, no sync, no acceptance). `gpu_ms`:
+    the GPU's time per step over them (CUDA events); `launch_ms`: the host's per step to
+    queue them. A step's wall time minus `gpu_ms` is what the GPU waits on the host for.
+    None without a captured shape of that width (CPU, eager). Replays advance the GDN states
+    the graph's inputs point at: run it after the run's timings, not between them."""
+    steps = [step for (_, w, _), step in (graphs.steps.items() if graphs else []) if w == width]
+    if not steps:
+        return None
+    step = steps[-1]  # the most recently used shape of that width
+
+    def run() -> None:
+        step.forward.graph.replay()
+        if step.commit is not None:
+            step.commit.graph.replay()
+        model.compute_logits(step.forward.outputs[0][:rows], False).argmax(-1)
+
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t = time.perf_counter()
+    for _ in range(iters):
+        run()
+    launch_s = time.perf_counter() - t
+    end.record()
+    end.synchronize()
+    return {"gpu_ms": start.elapsed_time(end) / iters, "launch_ms": launch_s / iters * 1e3}
+
+
 def floor_ms(target, batch: Batch, step, num_tokens: int, query_len: int, bw: float) -> float:
     ctx = list(batch.num_cached)
     runner = batch.executor.runner
@@ -213,6 +248,12 @@ def bench_batch(target, draft, b: int, args, bw: float, device: torch.device,
     before = gpu_state(device)
     r = time_steps(batch, args, lambda: sync(device), args.block_sizes, set_block)
     r["gpu_state"] = {"before": before, "after": gpu_state(device)}
+    # the device's share of a decode and of a verify (last: the replays move GDN states)
+    runner = batch.executor.runner
+    r["device_only"] = {name: device_only_ms(runner.graphs, target, b * width, width,
+                                             args.iters)
+                        for name, width in [("decode", 1),
+                                            *((f"verify_B{B}", B) for B in args.block_sizes)]}
     if floors is not None:
         r.update(floors)
     else:
@@ -309,16 +350,23 @@ def bench_transformers(hf, device: torch.device, prompt_len: int, vocab: int, ar
 
 
 def table(results: dict) -> str:
-    rows = ["| variant | batch | context | prefill tok/s | decode ms (floor) | " + " | ".join(
-        f"verify B={B} ms (floor) | draft B={B} ms | round B={B} ms"
-        for B in results["args"]["block_sizes"]) + " |"]
+    """The runs as a markdown table; "GPU ms": a step's device share (device_only_ms), "-"
+    where nothing was captured."""
+    def gpu(r: dict, name: str) -> str:
+        d = (r.get("device_only") or {}).get(name)
+        return "-" if d is None else f"{d['gpu_ms']:.2f}"
+
+    rows = ["| variant | batch | context | prefill tok/s | decode ms (floor) | decode GPU ms | "
+            + " | ".join(f"verify B={B} ms (floor) | verify B={B} GPU ms | draft B={B} ms | "
+                         f"round B={B} ms" for B in results["args"]["block_sizes"]) + " |"]
     for r in results["ours"]:
         cells = [r.get("variant", "baseline"), str(r["batch"]), str(r.get("prompt_len", "")),
                  f"{r['prefill_tok_per_s']:.0f}",
-                 f"{r['decode_ms']:.2f} ({r['decode_floor_ms']:.2f})"]
+                 f"{r['decode_ms']:.2f} ({r['decode_floor_ms']:.2f})", gpu(r, "decode")]
         for B in results["args"]["block_sizes"]:
             cells += [f"{r[f'verify_B{B}_ms']:.2f} ({r[f'verify_B{B}_floor_ms']:.2f})",
-                      f"{r[f'draft_B{B}_ms']:.2f}", f"{r[f'round_B{B}_ms']:.2f}"]
+                      gpu(r, f"verify_B{B}"), f"{r[f'draft_B{B}_ms']:.2f}",
+                      f"{r[f'round_B{B}_ms']:.2f}"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU fast path on one GPU host without package access, in parts (default: all), results
 # under $OUT:
-#   tests    every `gpu` test of the engine (kernels against their references, CUDA graphs)
+#   tests    every `gpu` test of the engine (kernels against their references, CUDA graphs,
+#            bench.engine's device share of a step)
 #   kernels  the Triton kernels' interpreter tests, here on CUDA (against their references; the
 #            bits: a token alone = in a batch, a block = its tokens one by one, the pair
 #            GEMVs' prefetch = none)
@@ -68,7 +69,8 @@ for part in $parts; do case $part in
 tests)
   gpu_pytest ${TESTS_TIMEOUT:-360} -q -p no:cacheprovider -p no:logging -rfE \
     --tb=short --continue-on-collection-errors -m gpu tests/target tests/workers tests/draft \
-    tests/cluster/test_gpu_cluster.py -k "not ray" > "$OUT/gpu_tests.txt" 2>&1
+    tests/cluster/test_gpu_cluster.py tests/tools/test_bench_engine.py -k "not ray" \
+    > "$OUT/gpu_tests.txt" 2>&1
   tail -12 "$OUT/gpu_tests.txt" ;;
 kernels)  # the Triton kernels' tests that run in the interpreter on CPU, here on CUDA: each
   # kernel against its reference, and the bits (alone = in a batch, a block = its tokens

@@ -65,10 +65,33 @@ def test_bench_engine_reports_every_step_with_floors(tmp_path):
         assert x["inside_ms"]["decode"]["verify"] == pytest.approx(
             sum(samples["decode"]["verify"]) / 2, abs=1e-3)
         assert set(samples["round_B4"]) == {"wall", "propose", "verify"}
+        assert x["device_only"] == {"decode": None, "verify_B4": None}  # no graphs on CPU
     assert r["transformers"]["decode_ms"] > 0
     assert "| variant | batch |" in proc.stdout
     assert {x["variant"] for x in r["ours"]} == {"baseline"}
     assert all(x["gpu_state"] == {"before": None, "after": None} for x in r["ours"])  # CPU
+
+
+@pytest.mark.gpu
+def test_bench_engine_times_the_device_share_of_its_captured_steps(tmp_path):
+    """On CUDA each run also replays its captured decode and verify back to back with their
+    logits and argmax (device_only_ms): the GPU's and the host's time per step, in the JSON
+    and the table's "GPU ms" columns."""
+    out = tmp_path / "engine.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.engine", "--random-weights", "--preset", "tiny",
+         "--device", "cuda", "--batch-sizes", "1", "2", "--block-sizes", "4",
+         "--prompt-len", "40", "--iters", "3", "--warmup", "1", "--no-baseline",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["ours"]
+    assert [x["batch"] for x in runs] == [1, 2]
+    for x in runs:
+        assert set(x["device_only"]) == {"decode", "verify_B4"}
+        for d in x["device_only"].values():
+            assert d["gpu_ms"] > 0 and d["launch_ms"] > 0
+    assert "decode GPU ms" in proc.stdout and "| - |" not in proc.stdout
 
 
 def test_gpu_state_records_what_nvml_answers(monkeypatch):
