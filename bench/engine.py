@@ -248,12 +248,6 @@ def bench_batch(target, draft, b: int, args, bw: float, device: torch.device,
     before = gpu_state(device)
     r = time_steps(batch, args, lambda: sync(device), args.block_sizes, set_block)
     r["gpu_state"] = {"before": before, "after": gpu_state(device)}
-    # the device's share of a decode and of a verify (last: the replays move GDN states)
-    runner = batch.executor.runner
-    r["device_only"] = {name: device_only_ms(runner.graphs, target, b * width, width,
-                                             args.iters)
-                        for name, width in [("decode", 1),
-                                            *((f"verify_B{B}", B) for B in args.block_sizes)]}
     if floors is not None:
         r.update(floors)
     else:
@@ -277,6 +271,11 @@ def bench_batch(target, draft, b: int, args, bw: float, device: torch.device,
         if graphs else {}
     failed.update({f"proposal {k}": v for k, v in drafter.failed.items()})
     r["graph_failures"] = failed  # shapes that ran eagerly: their capture failed
+    # the device's share of a decode and of a verify (last: the replays move GDN states)
+    r["device_only"] = {name: device_only_ms(batch.executor.runner.graphs, target, b * width,
+                                             width, args.iters)
+                        for name, width in [("decode", 1),
+                                            *((f"verify_B{B}", B) for B in args.block_sizes)]}
     return r
 
 
