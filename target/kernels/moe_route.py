@@ -4,11 +4,12 @@ renormalisation). One program per token holds the token's E logits, picks the k 
 one by one (the lowest index among equal values first) and writes their weights in
 descending order with their expert ids.
 
-It replaces `fused.moe_route` on CUDA when KernelConfig.moe_routing is "triton". Compiled,
-that function still leaves torch.topk's own kernels beside the softmax's: in the H200 decode
-profile (docs/BENCHMARKS.md) routing took ~0.4 ms of a 6 ms step over 40 layers, 4–5
-launches of 1–6 µs per layer. This kernel has not run on a GPU yet: it stays a variant until
-bench/engine.py --variants moe_routing=triton has measured it.
+It replaces `fused.moe_route` on CUDA when KernelConfig.moe_routing is "triton" or "auto"
+(the default). Compiled, that function still leaves torch.topk's own kernels beside the
+softmax's: in the H200 decode profile (docs/BENCHMARKS.md) routing took ~0.4 ms of a 6 ms
+step over 40 layers, 4–5 launches of 1–6 µs per layer. Against it, this kernel won the
+decode at batch 1 and 8 and the batch-1 verify on the H200 (docs/BENCHMARKS.md, ninth
+session), and became the default.
 
 Each token's result depends on its own row only, so a token alone and inside a batch get the
 same bits. Against fused.moe_route the weights agree to fp32 rounding (the sums run in
