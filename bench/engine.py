@@ -181,6 +181,7 @@ def time_steps(batch: Batch, args, sync, block_sizes: list[int],
     return r
 
 
+@torch.inference_mode()  # as the runner's steps
 def device_only_ms(graphs, model, rows: int, width: int, iters: int) -> dict | None:
     """The device's share of a round of `width` tokens a sequence: its captured forward (and
     commit) replayed `iters` times back to back with the logits GEMM and argmax a step runs
