@@ -33,7 +33,8 @@
 #            figure from each process's first run, the one a server's start gives, and each
 #            step's ms in the JSON (the spread within a run against the spread between runs;
 #            PROCS_ENV: environment for them, e.g.
-#            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+#            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"; PROCS_TAG: in the files'
+#            names, so that a second set does not overwrite the first)
 #   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
 #            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
 #            commit, 1 and 8 sequences
@@ -136,7 +137,8 @@ procs)
     env ${PROCS_ENV:-} timeout ${BENCH_TIMEOUT:-200} python3 -m bench.engine --random-weights \
       --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 --block-sizes 16 --no-baseline \
       --prompt-len ${AB_LENS:-131072} --iters 20 --warmup 3 \
-      --out "$OUT/engine_proc$i.json" 2>&1 | tee "$OUT/engine_proc$i.log" \
+      --out "$OUT/engine_proc${PROCS_TAG:-}$i.json" 2>&1 \
+      | tee "$OUT/engine_proc${PROCS_TAG:-}$i.log" \
       | grep -v "falling back" | grep "^| baseline"
   done ;;
 gdn)
