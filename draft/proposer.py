@@ -152,8 +152,8 @@ class DraftRunner:
                                           inputs["block_tables"], self.kv_cache, self.embed,
                                           self.lm_head, block)
 
-            call = capture_or_log(lambda: CapturedCall(propose, static, self.pool), "proposal",
-                                  key, self.failed)
+            call = capture_or_log(lambda: CapturedCall(propose, static, self.pool, staged=True),
+                                  "proposal", key, self.failed)
             if call is None:
                 return None
             self.graphs[key] = call

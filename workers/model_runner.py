@@ -73,6 +73,9 @@ class ModelRunner:
         self.block_size = caches.block_size
         self.generators: dict[int, torch.Generator] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
+        # pinned host buffers the acceptance reads back into, by shape: allocated once, not
+        # every step (each step waits for its read before the next can reuse the buffer)
+        self._pinned: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _generator(self, seq: SeqInput) -> torch.Generator | None:
         if seq.params.greedy:
@@ -189,8 +192,14 @@ class ModelRunner:
         parts = split_rows(flat, [len(tokens[j]) for j in want], tops)
         return {idx[j]: part for j, part in zip(want, parts, strict=True)}
 
-    @staticmethod
-    def _accept_greedy(seqs: list[SeqInput], batch: ForwardBatch, logits: torch.Tensor,
+    def _pinned_like(self, t: torch.Tensor) -> torch.Tensor:
+        host = self._pinned.get(tuple(t.shape))
+        if host is None or host.dtype != t.dtype:
+            host = self._pinned[tuple(t.shape)] = torch.empty(t.shape, dtype=t.dtype,
+                                                              pin_memory=True)
+        return host
+
+    def _accept_greedy(self, seqs: list[SeqInput], batch: ForwardBatch, logits: torch.Tensor,
                        commit: Callable[[torch.Tensor], None] | None = None
                        ) -> dict[int, tuple[int, int]]:
         """Greedy acceptance of every greedy sequence at once, read back with one host sync;
@@ -216,7 +225,7 @@ class ModelRunner:
         decided = torch.stack([n, bonus], 1)
         if commit is not None and len(idx) == len(seqs):
             if decided.is_cuda:  # read back before the commit is queued: waited for alone
-                host = torch.empty(decided.shape, dtype=decided.dtype, pin_memory=True)
+                host = self._pinned_like(decided)
                 host.copy_(decided, non_blocking=True)
                 read = torch.cuda.Event()
                 read.record()
@@ -280,10 +289,14 @@ class ModelRunner:
                 self.model.commit_verify(batch, self.caches, num_kept)
         cu = batch.cu_seqlens
         committed_early: list[torch.Tensor] = []
+        early_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def commit_early(kept: torch.Tensor) -> None:
             graphs.commit(kept)
             committed_early.append(kept)
+            # the committed rows' aux features and positions, gathered on the device while
+            # the host waits for the acceptance: after it only a slice is left to take
+            early_rows.append(committed_rows(kept, width, aux, batch.positions))
 
         decided = self._accept_greedy(seqs, batch, logits,
                                       commit_early if captured is not None else None)
@@ -309,15 +322,38 @@ class ModelRunner:
             kept_rows.extend(range(cu[i], cu[i] + n + 1))
         if not committed_early:
             commit([n + 1 for n in num_accepted])
-        rows = torch.tensor(kept_rows)
-        if aux.is_cuda:  # from pinned memory the copy is queued, not waited for: the host goes
-            # on (the draft's context write, the engine's bookkeeping) while the commit runs
-            rows = rows.pin_memory().to(aux.device, non_blocking=True)
+        if early_rows:  # every sequence kept n + 1 rows of its block, in order
+            early_aux, early_positions = early_rows[0]
+            aux_rows = early_aux[: len(kept_rows)]
+            aux_positions = early_positions[: len(kept_rows)]
+        else:
+            rows = torch.tensor(kept_rows)
+            if aux.is_cuda:  # from pinned memory the copy is queued, not waited for: the host
+                # goes on (the draft's context write, the engine's bookkeeping) while the
+                # commit runs
+                rows = rows.pin_memory().to(aux.device, non_blocking=True)
+            aux_rows, aux_positions = aux[rows], batch.positions[rows]
         committed = [n + 1 for n in num_accepted]
         # token j of a sequence's new ones was drawn from its block's row j
         logprobs = self._logprobs(seqs, list(range(len(seqs))),
                                   [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))],
                                   new_tokens) if any(s.params.logprobs is not None
                                                      for s in seqs) else {}
-        return StepOutput(new_tokens, num_accepted, committed, aux[rows], batch.positions[rows],
+        return StepOutput(new_tokens, num_accepted, committed, aux_rows, aux_positions,
                           errors, logprobs)
+
+
+def committed_rows(kept: torch.Tensor, width: int, aux: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of S uniform blocks of `width` that a round commits, sequence by sequence, with
+    no host value: kept [S] (device) rows at the head of each block. Returns aux and positions
+    [S·width] whose first sum(kept) rows are the committed ones in order (the rest: the
+    others). Every row is its own copy, not the graph's output, which the next replay
+    overwrites."""
+    n_rows = kept.shape[0] * width
+    if width == 1:  # a decode step commits every row
+        return aux[:n_rows].clone(), positions[:n_rows].clone()
+    keep = torch.arange(width, device=kept.device) < kept[:, None]  # [S, W]
+    # kept rows first (stable: in block order), then the rest
+    order = torch.argsort(keep.flatten().logical_not().int(), stable=True)
+    return aux[:n_rows][order], positions[:n_rows][order]

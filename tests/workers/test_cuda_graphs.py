@@ -14,13 +14,54 @@ from draft.model import DFlashDraftModel
 from draft.proposer import DraftRunner
 from target.loader import load_target
 from workers.cache import allocate_target_caches
-from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, bucket_for, num_scratch_pages
+from workers.cuda_graphs import (
+    MAX_GRAPH_WIDTH,
+    CapturedCall,
+    RoundGraphs,
+    bucket_for,
+    num_scratch_pages,
+)
 from workers.messages import ContextWrite, ProposeRequest
-from workers.model_runner import ModelRunner, SeqInput
+from workers.model_runner import ModelRunner, SeqInput, committed_rows
 
 PAGE, NUM_BLOCKS, MAX_SEQS = 4, 96, 5
 PROMPTS = [[5, 9, 2, 77, 31, 8], [100, 3, 3, 41, 9, 12, 60, 7, 2, 19, 4], [250, 11]]
 AUX = (0, 1)
+
+
+def test_committed_rows_are_each_blocks_kept_head_in_order():
+    width, kept = 4, torch.tensor([2, 4, 1])
+    aux = torch.arange(16 * 3).view(16, 3)  # 12 real rows, then a padding block
+    positions = torch.arange(100, 116)
+    got_aux, got_pos = committed_rows(kept, width, aux, positions)
+    rows = [0, 1, 4, 5, 6, 7, 8]
+    assert torch.equal(got_aux[:7], aux[rows]) and torch.equal(got_pos[:7], positions[rows])
+    assert sorted(got_pos[7:].tolist()) == [102, 103, 109, 110, 111]  # the rest follow
+    aux_1, pos_1 = committed_rows(torch.ones(3, dtype=torch.long), 1, aux, positions)
+    assert torch.equal(aux_1, aux[:3]) and torch.equal(pos_1, positions[:3])
+    aux_1[0, 0] = -1  # a copy: the graph's outputs are overwritten by the next replay
+    assert aux[0, 0] == 0
+
+
+@pytest.mark.gpu
+def test_a_staged_call_copies_every_input_in_one_transfer_and_replays():
+    inputs = {"ids": torch.zeros(6, dtype=torch.long, device="cuda"),
+              "tables": torch.zeros(2, 5, dtype=torch.int32, device="cuda"),
+              "lens": torch.zeros(2, dtype=torch.long, device="cuda")}
+
+    def fn(x):
+        return x["ids"].sum() + x["tables"].long().sum(1) * x["lens"]
+
+    call = CapturedCall(fn, inputs, torch.cuda.graph_pool_handle(), staged=True)
+    for k in range(3):
+        ids, lens = torch.arange(6) + k, torch.tensor([k, 2 * k])
+        tables = torch.arange(10, dtype=torch.int32).view(2, 5) * (k + 1)
+        want = fn({"ids": ids, "tables": tables, "lens": lens})
+        assert torch.equal(call(ids=ids, tables=tables, lens=lens).cpu(), want)
+    with pytest.raises(ValueError, match="every input whole"):
+        call(ids=ids, tables=tables)
+    with pytest.raises(ValueError, match="every input whole"):
+        call(ids=ids, tables=tables[:, :3], lens=lens)
 
 
 def test_buckets():
@@ -80,6 +121,7 @@ def test_round_graphs_equal_the_eager_rounds(tiny_demo, device):
         a, b = eager.round([[]] * 3), graph.round([[]] * 3)
         assert a.new_tokens == b.new_tokens
         torch.testing.assert_close(b.aux, a.aux, **tol)
+        assert torch.equal(b.aux_positions.cpu(), a.aux_positions.cpu())
         for s, toks in enumerate(a.new_tokens):
             continuation[s] += toks
     # Rounds of W = 4 whose drafts are the continuation with sequence s's draft s corrupted:
@@ -97,6 +139,7 @@ def test_round_graphs_equal_the_eager_rounds(tiny_demo, device):
         a, b = eager.round(drafts), graph.round(drafts)
         assert (a.new_tokens, a.num_accepted) == (b.new_tokens, b.num_accepted)
         torch.testing.assert_close(b.aux, a.aux, **tol)
+        assert torch.equal(b.aux_positions.cpu(), a.aux_positions.cpu())
         for s, toks in enumerate(a.new_tokens):
             produced[s] += toks
     assert a.num_accepted == [2, 0, 3]
