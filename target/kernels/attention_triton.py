@@ -14,13 +14,10 @@ heads.
      walks them BLOCK_N at a time (page ids looked up per key), and keeps the online softmax
      (running max m, sum l, unnormalised output acc, fp32). It writes m, l and acc for its
      rows.
-  2. merge, grid (T·Hq, D / MERGE_BLOCK_D): per row and slice of the head dim, out =
-     Σ acc_i·e^(m_i−M) / Σ l_i·e^(m_i−M) with M the largest m_i, and the log-sum-exp
-     M + log Σ l_i·e^(m_i−M); the splits merge_chunk at a time (a fixed-shape sum within a
-     chunk, chunks in order): one dependent load per split would leave the merge waiting on
-     memory latency at long context. The default chunk holds every split the models' launch
-     makes, so the merge is one pass of loads; the slices give a decode (16 rows on the
-     35B-A3B) 128 programs rather than 16, each reading its share of the partial results.
+  2. merge, grid (T·Hq,): per row, out = Σ acc_i·e^(m_i−M) / Σ l_i·e^(m_i−M) with M the
+     largest m_i, and the log-sum-exp M + log Σ l_i·e^(m_i−M); the splits MERGE_CHUNK at a
+     time (a fixed-shape sum within a chunk, chunks in order): one dependent load per split
+     would leave the merge waiting on memory latency at long context.
 
 A row's result does not depend on the batch around it, bit for bit: the launch shape (Launch)
 is one per model, never chosen per call; tiles, splits and merge chunks start at fixed
@@ -67,7 +64,7 @@ class Launch:
     block_n: int = 64
     warps: int = 4
     stages: int = 2
-    merge_chunk: int = 256
+    merge_chunk: int = 32
     # 0: every split holds `split` keys. Else each sequence's splits hold the fewest
     # block_n·2^j keys that make at most max_splits of them: at a short context many small
     # splits (programs enough to fill the GPU), at a long one at most max_splits partial
@@ -124,9 +121,6 @@ ADAPTIVE_RATIO = 4
 ADAPTIVE_SMALL_ROWS = 16
 ADAPTIVE_LAUNCH = Launch(max_splits=ADAPTIVE_SPLITS, split_ratio=ADAPTIVE_RATIO,
                          small_rows=ADAPTIVE_SMALL_ROWS)
-# The head-dim slice of a merge program: fixed for every launch, so that a row's sums run in
-# the same order whatever the batch (at most the next power of two of the head dim).
-MERGE_BLOCK_D = 32
 
 
 def available(device: torch.device | str) -> bool:
@@ -280,7 +274,6 @@ if triton is not None:
         await_prior(PDL)
         row = tl.program_id(0)  # token · Hq + head
         token, head = row // n_heads, row % n_heads
-        d0 = tl.program_id(1) * BLOCK_D  # this program's slice of the head dim
         s = token // width
         kv_len = tl.load(KvLens + s)
         if MAX_SPLITS > 0:
@@ -292,7 +285,7 @@ if triton is not None:
             first = tl.maximum(tl.load(QFirst + s) - window + 1, 0) // split_len
         last = (kv_len + split_len - 1) // split_len  # splits [first, last) may hold its keys
         start = first // CHUNK * CHUNK  # chunks at fixed positions
-        d = d0 + tl.arange(0, BLOCK_D)
+        d = tl.arange(0, BLOCK_D)
         d_ok = d < D
         c = tl.arange(0, CHUNK)
         m_at = Stat + row  # split i: m at i·2·T·Hq, l at (2i + 1)·T·Hq
@@ -318,9 +311,8 @@ if triton is not None:
         out = tl.where(denom > 0.0, acc / denom, 0.0)
         tl.store(Out + token * stride_ot + head * stride_oh + d,
                  out.to(Out.dtype.element_ty), mask=d_ok)
-        if WITH_LSE:  # one slice writes it
-            tl.store(Lse + row, tl.where(denom > 0.0, shift + tl.log(denom), float("-inf")),
-                     mask=d0 == 0)
+        if WITH_LSE:
+            tl.store(Lse + row, tl.where(denom > 0.0, shift + tl.log(denom), float("-inf")))
 
 
 def split_bound(launch: Launch, keys: int) -> int:
@@ -379,11 +371,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         SPLIT=launch.split, MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio,
         CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee,
         num_warps=launch.warps, num_stages=launch.stages, **pdl.options(q))
-    merge_d = min(block_d, MERGE_BLOCK_D)
-    _merge_kernel[(n_tokens * n_heads, triton.cdiv(dim, merge_d))](
+    _merge_kernel[(n_tokens * n_heads,)](
         acc, stat, q_first, kv_lens, out, lse, out.stride(0), out.stride(1),
         width, n_heads, n_tokens, win,
-        D=dim, BLOCK_D=merge_d, BLOCK_N=launch.block_n, SPLIT=launch.split,
+        D=dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, SPLIT=launch.split,
         MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio, CHUNK=launch.merge_chunk,
         WINDOWED=window is not None, WITH_LSE=with_lse, num_warps=4, **pdl.options(acc))
     return (out, lse) if with_lse else out

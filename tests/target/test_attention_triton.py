@@ -46,14 +46,10 @@ CASES = {
     "decode": ([5, 17, 64], 1, 8, 2, 16, 4, True, None),
     "verify": ([0, 9, 130], 6, 4, 2, 16, 16, True, None),
     "splits": ([SPLIT_KEYS + 300, 7], 3, 4, 1, 16, 16, True, None),  # 2 splits, and 1
-    # 40 splits, a window that skips the first 35 of them
+    # 40 splits (more than one merge chunk), a window that skips the first 35 of them
     "many_splits": ([40 * SPLIT_KEYS - 9], 2, 2, 1, 16, 64, False, 5 * SPLIT_KEYS + 7),
     "draft_window": ([0, 3, 40], 4, 4, 2, 16, 4, False, 7),  # non-causal block, window 7
     "head_dim_24": ([11, 30], 2, 2, 2, 24, 8, True, None),
-    # two merge programs a row, each its half of the head dim
-    "head_dim_64": ([11, 70], 2, 4, 2, 64, 8, True, None),
-    # 1006 keys in 8 splits of 128, merged 2 at a time: 4 chunks in order
-    "merge_chunks": ([1000], 2, 2, 1, 16, 16, True, None, Launch(max_splits=8, merge_chunk=2)),
     # adaptive: 6 keys in 1 split, 18 in 1, 301 in 3 of 128
     "adaptive_decode": ([5, 17, 300], 1, 8, 2, 16, 4, True, None, ADAPTIVE),
     # 6 keys in 1 split, 136 in 3 of 64, 1006 in 4 of 256
@@ -296,7 +292,7 @@ def test_the_partial_results_hold_every_split_of_a_sequence(launch):
 def test_a_launch_parses_from_at_most_9_fields():
     assert Launch.parse("1024,32,64,4,2") == Launch()
     assert Launch.parse("512,16,64,8,3,16,256,4") == Launch(512, 16, 64, 8, 3, 16, 256, 4)
-    assert Launch.parse("1024,32,64,4,2,256,256,4,16") == Launch(max_splits=256,
+    assert Launch.parse("1024,32,64,4,2,32,256,4,16") == Launch(max_splits=256,
                                                                split_ratio=4, small_rows=16)
     with pytest.raises(ValueError, match="10 given"):
         Launch.parse("1024,32,64,4,2,32,256,4,16,0")
