@@ -189,7 +189,11 @@ def device_only_ms(graphs, model, rows: int, width: int, iters: int) -> dict | N
     the GPU's time per step over them (CUDA events); `launch_ms`: the host's per step to
     queue them. A step's wall time minus `gpu_ms` is what the GPU waits on the host for.
     None without a captured shape of that width (CPU, eager). Replays advance the GDN states
-    the graph's inputs point at: run it after the run's timings, not between them."""
+    the graph's inputs point at: run it after the run's timings, not between them. The
+    replays take the inputs of the last step of that width, for a B-token verify a round's:
+    the draft's tokens, whose routing may reach fewer distinct experts than the random drafts
+    of the timed verify (with random weights a repeated token picks the same experts). So a
+    decode's GPU ms is its step's device share, a verify's a lower bound of it."""
     steps = [step for (_, w, _), step in (graphs.steps.items() if graphs else []) if w == width]
     if not steps:
         return None
