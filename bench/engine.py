@@ -190,10 +190,9 @@ def device_only_ms(graphs, model, rows: int, width: int, iters: int) -> dict | N
     queue them. A step's wall time minus `gpu_ms` is what the GPU waits on the host for.
     None without a captured shape of that width (CPU, eager). Replays advance the GDN states
     the graph's inputs point at: run it after the run's timings, not between them. The
-    replays take the inputs of the last step of that width, for a B-token verify a round's:
-    the draft's tokens, whose routing may reach fewer distinct experts than the random drafts
-    of the timed verify (with random weights a repeated token picks the same experts). So a
-    decode's GPU ms is its step's device share, a verify's a lower bound of it."""
+    replays take the inputs of the last step of that width: run one of the kind timed just
+    before (a verify's routing, so its experts' bytes, follows its tokens: a round's draft
+    tokens may reach fewer distinct experts than random drafts)."""
     steps = [step for (_, w, _), step in (graphs.steps.items() if graphs else []) if w == width]
     if not steps:
         return None
@@ -276,11 +275,18 @@ def bench_batch(target, draft, b: int, args, bw: float, device: torch.device,
         if graphs else {}
     failed.update({f"proposal {k}": v for k, v in drafter.failed.items()})
     r["graph_failures"] = failed  # shapes that ran eagerly: their capture failed
-    # the device's share of a decode and of a verify (last: the replays move GDN states)
-    r["device_only"] = {name: device_only_ms(batch.executor.runner.graphs, target, b * width,
-                                             width, args.iters)
-                        for name, width in [("decode", 1),
-                                            *((f"verify_B{B}", B) for B in args.block_sizes)]}
+    # the device's share of a decode and of a verify (last: the replays move GDN states),
+    # each after one more step of its kind, whose inputs the replays then take (a verify's
+    # random drafts, as its timed steps had, not the last round's draft tokens)
+    r["device_only"] = {}
+    for name, width, step in [("decode", 1, lambda: batch.verify([[]] * b)),
+                              *((f"verify_B{B}", B,
+                                 lambda B=B: batch.verify(batch.random_drafts(B - 1)))
+                                for B in args.block_sizes)]:
+        if graphs:
+            step()
+        r["device_only"][name] = device_only_ms(batch.executor.runner.graphs, target,
+                                                b * width, width, args.iters)
     return r
 
 
