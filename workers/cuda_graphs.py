@@ -136,34 +136,38 @@ class CapturedCall:
         return views
 
     def __call__(self, **values: torch.Tensor):
-        if self._staging is not None and self.graph is not None:
-            device_buf, host_buf, host_views = self._staging
-            if values.keys() != host_views.keys() or any(
-                    v.shape != host_views[k].shape for k, v in values.items()):
-                raise ValueError("a staged call takes every input whole: "
-                                 f"{sorted(host_views)}, got {sorted(values)}")
-            if self._copied is not None:  # the last call's transfer has read the twin
-                self._copied.synchronize()
-            else:
-                self._copied = torch.cuda.Event()
+        if self._staging is not None:
+            self._transfer(values)
+        else:
+            # A value may be smaller than its buffer (block tables: the pages in use): it
+            # fills the leading corner, and what lies past it is never read (masked by the
+            # lengths).
             for name, value in values.items():
-                host_views[name][...] = value.numpy()
-            device_buf.copy_(host_buf, non_blocking=True)
-            self._copied.record()
-            self.graph.replay()
-            return self.outputs
-        # A value may be smaller than its buffer (block tables: the pages in use): it fills the
-        # leading corner, and what lies past it is never read (masked by the lengths).
-        for name, value in values.items():
-            dst = self.inputs[name]
-            if value.shape != dst.shape:
-                dst = dst[tuple(slice(0, n) for n in value.shape)]
-            dst.copy_(value, non_blocking=True)
+                dst = self.inputs[name]
+                if value.shape != dst.shape:
+                    dst = dst[tuple(slice(0, n) for n in value.shape)]
+                dst.copy_(value, non_blocking=True)
         if self.graph is None:
             self.outputs = self.fn(self.inputs)
         else:
             self.graph.replay()
         return self.outputs
+
+    def _transfer(self, values: dict[str, torch.Tensor]) -> None:
+        """A staged call's inputs: into the pinned twin, then over in one transfer."""
+        device_buf, host_buf, host_views = self._staging
+        if values.keys() != host_views.keys() or any(
+                v.shape != host_views[k].shape for k, v in values.items()):
+            raise ValueError("a staged call takes every input whole: "
+                             f"{sorted(host_views)}, got {sorted(values)}")
+        if self._copied is not None:  # the last call's transfer has read the twin
+            self._copied.synchronize()
+        else:
+            self._copied = torch.cuda.Event()
+        for name, value in values.items():
+            host_views[name][...] = value.numpy()
+        device_buf.copy_(host_buf, non_blocking=True)
+        self._copied.record()
 
 
 def capture_or_log(capture: Callable[[], object], what: str, key: tuple, failed: dict):
