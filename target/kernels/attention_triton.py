@@ -15,9 +15,11 @@ heads.
      (running max m, sum l, unnormalised output acc, fp32). It writes m, l and acc for its
      rows.
   2. merge, grid (T·Hq,): per row, out = Σ acc_i·e^(m_i−M) / Σ l_i·e^(m_i−M) with M the
-     largest m_i, and the log-sum-exp M + log Σ l_i·e^(m_i−M); the splits MERGE_CHUNK at a
-     time (a fixed-shape sum within a chunk, chunks in order): one dependent load per split
-     would leave the merge waiting on memory latency at long context.
+     largest m_i, and the log-sum-exp M + log Σ l_i·e^(m_i−M). M comes from one load of
+     every split's m (up to MERGE_ALL splits); the sums take the splits merge_chunk at a time
+     (a fixed-shape sum within a chunk, chunks in order), two chunks' loads in flight before
+     either is summed: the merge's time at long context is its waits on memory, one per
+     load it cannot issue before the last one returns.
 
 A row's result does not depend on the batch around it, bit for bit: the launch shape (Launch)
 is one per model, never chosen per call; tiles, splits and merge chunks start at fixed
@@ -265,12 +267,24 @@ if triton is not None:
         tl.store(Stat + st + n_tokens * n_heads, l_i, mask=row_ok)
 
     @triton.jit
+    def _merge_chunk(Acc, m_at, i, first, last, row, d, d_ok, n_tokens, n_heads,
+                     D: tl.constexpr):
+        """Splits i's m, l and partial outputs for one row (−inf, 0, 0 outside
+        [first, last))."""
+        ok = (i >= first) & (i < last)
+        m = tl.load(m_at + i * 2 * n_tokens * n_heads, mask=ok, other=float("-inf"))
+        total = tl.load(m_at + (2 * i + 1) * n_tokens * n_heads, mask=ok, other=0.0)
+        part = tl.load(Acc + (i[:, None] * n_tokens * n_heads + row) * D + d[None, :],
+                       mask=ok[:, None] & d_ok[None, :], other=0.0)
+        return m, total, part
+
+    @triton.jit
     def _merge_kernel(Acc, Stat, QFirst, KvLens, Out, Lse, stride_ot, stride_oh,
                       width, n_heads, n_tokens, window,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, RATIO: tl.constexpr,
-                      CHUNK: tl.constexpr, WINDOWED: tl.constexpr, WITH_LSE: tl.constexpr,
-                      PDL: tl.constexpr):
+                      CHUNK: tl.constexpr, ALL: tl.constexpr, WINDOWED: tl.constexpr,
+                      WITH_LSE: tl.constexpr, PDL: tl.constexpr):
         await_prior(PDL)
         row = tl.program_id(0)  # token · Hq + head
         token, head = row // n_heads, row % n_heads
@@ -289,30 +303,54 @@ if triton is not None:
         d_ok = d < D
         c = tl.arange(0, CHUNK)
         m_at = Stat + row  # split i: m at i·2·T·Hq, l at (2i + 1)·T·Hq
-        big = tl.full([CHUNK], float("-inf"), tl.float32)
-        for i0 in range(start, last, CHUNK):
-            i = i0 + c
-            big = tl.maximum(big, tl.load(m_at + i * 2 * n_tokens * n_heads,
-                                          mask=(i >= first) & (i < last), other=float("-inf")))
-        top = tl.max(big, 0)
+        if ALL > 0:  # every split's m in one load
+            i = tl.arange(0, ALL)
+            top = tl.max(tl.load(m_at + i * 2 * n_tokens * n_heads,
+                                 mask=(i >= first) & (i < last), other=float("-inf")), 0)
+        else:
+            big = tl.full([CHUNK], float("-inf"), tl.float32)
+            for i0 in range(start, last, CHUNK):
+                i = i0 + c
+                big = tl.maximum(big, tl.load(m_at + i * 2 * n_tokens * n_heads,
+                                              mask=(i >= first) & (i < last),
+                                              other=float("-inf")))
+            top = tl.max(big, 0)
         shift = tl.where(top == float("-inf"), 0.0, top)
         total = tl.zeros([CHUNK], tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for i0 in range(start, last, CHUNK):
-            i = i0 + c
-            ok = (i >= first) & (i < last)
-            m = tl.load(m_at + i * 2 * n_tokens * n_heads, mask=ok, other=float("-inf"))
+        # two chunks a step: both chunks' loads in flight before either is summed, the sums
+        # in chunk order (the second only where it holds a split: adding its zeros could
+        # turn a −0 into +0)
+        for i0 in range(start, last, 2 * CHUNK):
+            m, sums, part = _merge_chunk(Acc, m_at, i0 + c, first, last, row, d, d_ok,
+                                      n_tokens, n_heads, D)
+            m2, sums2, part2 = _merge_chunk(Acc, m_at, i0 + CHUNK + c, first, last, row, d,
+                                         d_ok, n_tokens, n_heads, D)
             w = tl.exp(m - shift)  # 0 for a split the row has no key in, and outside
-            total += tl.load(m_at + (2 * i + 1) * n_tokens * n_heads, mask=ok, other=0.0) * w
-            part = tl.load(Acc + (i[:, None] * n_tokens * n_heads + row) * D + d[None, :],
-                           mask=ok[:, None] & d_ok[None, :], other=0.0)
+            total += sums * w
             acc += tl.sum(part * w[:, None], 0)
+            w2 = tl.exp(m2 - shift)
+            total += sums2 * w2
+            if i0 + CHUNK < last:
+                acc += tl.sum(part2 * w2[:, None], 0)
         denom = tl.sum(total, 0)
         out = tl.where(denom > 0.0, acc / denom, 0.0)
         tl.store(Out + token * stride_ot + head * stride_oh + d,
                  out.to(Out.dtype.element_ty), mask=d_ok)
         if WITH_LSE:
             tl.store(Lse + row, tl.where(denom > 0.0, shift + tl.log(denom), float("-inf")))
+
+
+# The most splits whose running maxima the merge reads in one load (MERGE_ALL or fewer, a
+# power of two); past it, a chunk at a time.
+MERGE_ALL = 1024
+
+
+def merge_all(n_splits: int) -> int:
+    """The merge's ALL: the power of two that covers `n_splits` split slots, or 0 past
+    MERGE_ALL."""
+    size = triton.next_power_of_2(n_splits)
+    return size if size <= MERGE_ALL else 0
 
 
 def split_bound(launch: Launch, keys: int) -> int:
@@ -376,5 +414,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         width, n_heads, n_tokens, win,
         D=dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, SPLIT=launch.split,
         MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio, CHUNK=launch.merge_chunk,
+        ALL=merge_all(n_splits),
         WINDOWED=window is not None, WITH_LSE=with_lse, num_warps=4, **pdl.options(acc))
     return (out, lse) if with_lse else out
