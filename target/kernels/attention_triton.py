@@ -17,9 +17,12 @@ heads.
   2. merge, grid (T·Hq,): per row, out = Σ acc_i·e^(m_i−M) / Σ l_i·e^(m_i−M) with M the
      largest m_i, and the log-sum-exp M + log Σ l_i·e^(m_i−M). M comes from one load of
      every split's m (up to MERGE_ALL splits); the sums take the splits merge_chunk at a time
-     (a fixed-shape sum within a chunk, chunks in order), two chunks' loads in flight before
-     either is summed: the merge's time at long context is its waits on memory, one per
-     load it cannot issue before the last one returns.
+     (a fixed-shape sum within a chunk, chunks in order). Where a launch has more splits
+     than a chunk, two chunks' loads are in flight before either is summed: the merge's time
+     at long context is its waits on memory, one per load it cannot issue before the last
+     one returns. Where it has fewer (short context, many rows) one chunk a step keeps the
+     program's registers, and so the programs on an SM, those of one chunk. The two forms
+     give the same bits: the chunks are summed in the same order either way.
 
 A row's result does not depend on the batch around it, bit for bit: the launch shape (Launch)
 is one per model, never chosen per call; tiles, splits and merge chunks start at fixed
@@ -283,8 +286,8 @@ if triton is not None:
                       width, n_heads, n_tokens, window,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, RATIO: tl.constexpr,
-                      CHUNK: tl.constexpr, ALL: tl.constexpr, WINDOWED: tl.constexpr,
-                      WITH_LSE: tl.constexpr, PDL: tl.constexpr):
+                      CHUNK: tl.constexpr, ALL: tl.constexpr, PAIR: tl.constexpr,
+                      WINDOWED: tl.constexpr, WITH_LSE: tl.constexpr, PDL: tl.constexpr):
         await_prior(PDL)
         row = tl.program_id(0)  # token · Hq + head
         token, head = row // n_heads, row % n_heads
@@ -318,21 +321,29 @@ if triton is not None:
         shift = tl.where(top == float("-inf"), 0.0, top)
         total = tl.zeros([CHUNK], tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        # two chunks a step: both chunks' loads in flight before either is summed, the sums
-        # in chunk order (the second only where it holds a split: adding its zeros could
-        # turn a −0 into +0)
-        for i0 in range(start, last, 2 * CHUNK):
-            m, sums, part = _merge_chunk(Acc, m_at, i0 + c, first, last, row, d, d_ok,
-                                      n_tokens, n_heads, D)
-            m2, sums2, part2 = _merge_chunk(Acc, m_at, i0 + CHUNK + c, first, last, row, d,
-                                         d_ok, n_tokens, n_heads, D)
-            w = tl.exp(m - shift)  # 0 for a split the row has no key in, and outside
-            total += sums * w
-            acc += tl.sum(part * w[:, None], 0)
-            w2 = tl.exp(m2 - shift)
-            total += sums2 * w2
-            if i0 + CHUNK < last:
-                acc += tl.sum(part2 * w2[:, None], 0)
+        if PAIR:
+            # two chunks a step: both chunks' loads in flight before either is summed, the
+            # sums in chunk order (the second only where it holds a split: adding its zeros
+            # could turn a −0 into +0), so the bits are those of one chunk a step
+            for i0 in range(start, last, 2 * CHUNK):
+                m, sums, part = _merge_chunk(Acc, m_at, i0 + c, first, last, row, d, d_ok,
+                                             n_tokens, n_heads, D)
+                m2, sums2, part2 = _merge_chunk(Acc, m_at, i0 + CHUNK + c, first, last, row,
+                                                d, d_ok, n_tokens, n_heads, D)
+                w = tl.exp(m - shift)  # 0 for a split the row has no key in, and outside
+                total += sums * w
+                acc += tl.sum(part * w[:, None], 0)
+                w2 = tl.exp(m2 - shift)
+                total += sums2 * w2
+                if i0 + CHUNK < last:
+                    acc += tl.sum(part2 * w2[:, None], 0)
+        else:
+            for i0 in range(start, last, CHUNK):
+                m, sums, part = _merge_chunk(Acc, m_at, i0 + c, first, last, row, d, d_ok,
+                                             n_tokens, n_heads, D)
+                w = tl.exp(m - shift)
+                total += sums * w
+                acc += tl.sum(part * w[:, None], 0)
         denom = tl.sum(total, 0)
         out = tl.where(denom > 0.0, acc / denom, 0.0)
         tl.store(Out + token * stride_ot + head * stride_oh + d,
@@ -414,6 +425,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         width, n_heads, n_tokens, win,
         D=dim, BLOCK_D=block_d, BLOCK_N=launch.block_n, SPLIT=launch.split,
         MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio, CHUNK=launch.merge_chunk,
-        ALL=merge_all(n_splits),
+        ALL=merge_all(n_splits), PAIR=n_splits > launch.merge_chunk,
         WINDOWED=window is not None, WITH_LSE=with_lse, num_warps=4, **pdl.options(acc))
     return (out, lse) if with_lse else out

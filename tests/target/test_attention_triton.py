@@ -171,6 +171,37 @@ def invariance(device: str, launch: Launch | None = None) -> dict[str, int]:
     return out
 
 
+def merge_forms(device: str) -> dict[str, int]:
+    """Bits that differ between the merge's forms on the same sequences (fp32 and half): one
+    chunk a step (a launch with at most a chunk of splits) against two (a block table wide
+    enough for more; the sequences' keys still fit one chunk, the only case where both forms
+    can meet), and the running maxima in one load against a chunk at a time (MERGE_ALL)."""
+    launch = Launch(split=64, merge_chunk=4)  # 3 splits and 1 of at most 4, then 5
+    out = {"one_vs_two_chunks": 0, "one_load_vs_chunked_max": 0}
+    for dtype in (torch.float32, torch.float16 if device == "cpu" else torch.bfloat16):
+        q, kc, vc, tables, q_first, kv_lens = problem([150, 30], 2, 4, 2, 16, 16, dtype,
+                                                      device, seed=2)
+        assert attention_triton.split_bound(launch, tables.shape[1] * 16) <= 4
+        wide = torch.cat([tables, tables[:, :1].expand(-1, 9)], 1)  # 5 split slots
+        assert attention_triton.split_bound(launch, wide.shape[1] * 16) > 4
+        for window in (None, 70):
+            attend = partial(paged_attention, q, kc, vc, q_first=q_first, kv_lens=kv_lens,
+                             scale=0.25, window=window, with_lse=True, launch=launch)
+            one = attend(block_tables=tables)
+            two = attend(block_tables=wide)
+            out["one_vs_two_chunks"] += sum(int((a != b).sum())
+                                            for a, b in zip(one, two, strict=True))
+            most = attention_triton.MERGE_ALL
+            attention_triton.MERGE_ALL = 1
+            try:
+                chunked = attend(block_tables=tables)
+            finally:
+                attention_triton.MERGE_ALL = most
+            out["one_load_vs_chunked_max"] += sum(int((a != b).sum())
+                                                  for a, b in zip(one, chunked, strict=True))
+    return out
+
+
 def model_differences() -> dict[str, float]:
     """fp32 end to end: the tiny demo target's verify logits (a round after a prefill, 3
     sequences) with rounds through the Triton kernel against the per-sequence reference; the
@@ -253,6 +284,11 @@ def test_a_query_gets_the_same_bits_alone_in_a_block_and_in_a_batch(interpreted,
     assert got == {"decode_vs_block": 0, "block_sizes": 0, "alone_vs_batch": 0}
 
 
+def test_the_merges_forms_give_the_same_bits(interpreted):
+    got = interpreted["merge_forms"] if interpreted else merge_forms("cuda")
+    assert got == {"one_vs_two_chunks": 0, "one_load_vs_chunked_max": 0}
+
+
 @pytest.mark.parametrize("what", ["target_round", "target_round_adaptive", "draft-full",
                                   "draft-swa", "draft-full-adaptive", "draft-swa-adaptive"])
 def test_the_models_attend_alike_through_the_kernel(interpreted, what):
@@ -330,4 +366,5 @@ if __name__ == "__main__":  # the interpreter child (triton_child.run)
     print(json.dumps({"errors": triton_child.case_errors(CASES, DTYPES, case_error, "cpu"),
                       "invariance": {name: invariance("cpu", launch)
                                      for name, launch in INVARIANCE_LAUNCHES.items()},
+                      "merge_forms": merge_forms("cpu"),
                       "models": model_differences()}))
