@@ -242,14 +242,18 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
                     {**sizes, "stride_qt": 4096, "stride_qh": 256, "stride_kb": 8192,
                      "stride_kp": 512, "stride_kh": 256, "stride_vb": 8192, "stride_vp": 512,
                      "stride_vh": 256, "stride_tb": 64, "group": 8, "rows": 128}),
-            Variant(f"attention merge{name}", "target.kernels.attention_triton",
-                    "_merge_kernel", merge,
-                    {"D": 256, "BLOCK_D": 256, "BLOCK_N": launch.block_n, "SPLIT": launch.split,
-                     "MAX_SPLITS": launch.max_splits, "RATIO": launch.split_ratio,
-                     "CHUNK": launch.merge_chunk,
-                     "WINDOWED": False, "WITH_LSE": False}, {"num_warps": 4},
-                    {**sizes, "stride_ot": 4096, "stride_oh": 256}),
         ]
+        # the merge one chunk a step (a table of 512 keys) and two (131,072 keys)
+        for keys, form in ((512, ""), (131072, ", two chunks")):
+            slots = attention_triton.split_bound(launch, keys)
+            out.append(Variant(
+                f"attention merge{name}{form}", "target.kernels.attention_triton",
+                "_merge_kernel", merge,
+                {"D": 256, "BLOCK_D": 256, "BLOCK_N": launch.block_n, "SPLIT": launch.split,
+                 "MAX_SPLITS": launch.max_splits, "RATIO": launch.split_ratio,
+                 "CHUNK": launch.merge_chunk, "ALL": attention_triton.merge_all(slots),
+                 "PAIR": slots > launch.merge_chunk, "WINDOWED": False, "WITH_LSE": False},
+                {"num_warps": 4}, {**sizes, "stride_ot": 4096, "stride_oh": 256}))
     # the prologue (qk_rope_triton): q the strided half of [T, 16 heads, 2·256], k and v
     # [T, 2, 256], caches [N, 16, 2, 256] viewed as slots
     prologue = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr")}
