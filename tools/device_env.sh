@@ -1,5 +1,6 @@
 # Sourced by the GPU check scripts, from the repository root: the wheels in .whl/ (fla, Ray
-# Serve, the openai client, dflash: `pip download --no-deps -d .whl …` on a machine with pip)
+# Serve, the openai client, dflash: `pip download --no-deps -d .whl …` on a machine with pip;
+# `python -m tools.slim_wheel .whl/ray-*.whl` keeps Ray's within a device call's size limit)
 # installed into
 # /tmp/site for a GPU host without package access, on PYTHONPATH with the repository; and the
 # helpers below that the scripts share.
