@@ -17,12 +17,13 @@ heads.
   2. merge, grid (T·Hq,): per row, out = Σ acc_i·e^(m_i−M) / Σ l_i·e^(m_i−M) with M the
      largest m_i, and the log-sum-exp M + log Σ l_i·e^(m_i−M). M comes from one load of
      every split's m (up to MERGE_ALL splits); the sums take the splits merge_chunk at a time
-     (a fixed-shape sum within a chunk, chunks in order). Where a launch has more splits
-     than a chunk, two chunks' loads are in flight before either is summed: the merge's time
-     at long context is its waits on memory, one per load it cannot issue before the last
-     one returns. Where it has fewer (short context, many rows) one chunk a step keeps the
-     program's registers, and so the programs on an SM, those of one chunk. The two forms
-     give the same bits: the chunks are summed in the same order either way.
+     (a fixed-shape sum within a chunk, chunks in order). Where a launch's split slots
+     (split_bound) pass one chunk, two chunks' loads are in flight before either is summed:
+     the merge's time at long context is its waits on memory, one per load it cannot issue
+     before the last one returns. Where they fit one chunk (short context), one chunk a step
+     keeps the program's registers (48 a thread against 128 on sm90), and so the programs an
+     SM holds when a launch has many rows. The two forms give the same bits: the chunks are
+     summed in the same order either way.
 
 A row's result does not depend on the batch around it, bit for bit: the launch shape (Launch)
 is one per model, never chosen per call; tiles, splits and merge chunks start at fixed
