@@ -322,29 +322,23 @@ if triton is not None:
         shift = tl.where(top == float("-inf"), 0.0, top)
         total = tl.zeros([CHUNK], tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        if PAIR:
-            # two chunks a step: both chunks' loads in flight before either is summed, the
-            # sums in chunk order (the second only where it holds a split: adding its zeros
-            # could turn a −0 into +0), so the bits are those of one chunk a step
-            for i0 in range(start, last, 2 * CHUNK):
-                m, sums, part = _merge_chunk(Acc, m_at, i0 + c, first, last, row, d, d_ok,
-                                             n_tokens, n_heads, D)
+        # With PAIR, two chunks a step: both chunks' loads in flight before either is summed,
+        # the sums in chunk order (the second only where it holds a split: adding its zeros
+        # could turn a −0 into +0), so the bits are those of one chunk a step
+        for i0 in range(start, last, CHUNK * (1 + PAIR)):
+            m, sums, part = _merge_chunk(Acc, m_at, i0 + c, first, last, row, d, d_ok,
+                                         n_tokens, n_heads, D)
+            if PAIR:
                 m2, sums2, part2 = _merge_chunk(Acc, m_at, i0 + CHUNK + c, first, last, row,
                                                 d, d_ok, n_tokens, n_heads, D)
-                w = tl.exp(m - shift)  # 0 for a split the row has no key in, and outside
-                total += sums * w
-                acc += tl.sum(part * w[:, None], 0)
+            w = tl.exp(m - shift)  # 0 for a split the row has no key in, and outside
+            total += sums * w
+            acc += tl.sum(part * w[:, None], 0)
+            if PAIR:
                 w2 = tl.exp(m2 - shift)
                 total += sums2 * w2
                 if i0 + CHUNK < last:
                     acc += tl.sum(part2 * w2[:, None], 0)
-        else:
-            for i0 in range(start, last, CHUNK):
-                m, sums, part = _merge_chunk(Acc, m_at, i0 + c, first, last, row, d, d_ok,
-                                             n_tokens, n_heads, D)
-                w = tl.exp(m - shift)
-                total += sums * w
-                acc += tl.sum(part * w[:, None], 0)
         denom = tl.sum(total, 0)
         out = tl.where(denom > 0.0, acc / denom, 0.0)
         tl.store(Out + token * stride_ot + head * stride_oh + d,
