@@ -2,14 +2,22 @@
 cases run in Triton's interpreter in one child process, the test file run as a script with
 TRITON_INTERPRET=1. It only takes effect if set before triton is first imported, and in a
 whole-suite run torch._dynamo has imported triton during collection already; setting it in
-the test process would also leak into every later test."""
+the test process would also leak into every later test.
+
+The children take minutes together in the interpreter, one core each. When the first test
+file's results are wanted, every test file of the session that has its own child is queued,
+and CHILDREN of them run at a time while the tests go on: a file's results are usually
+ready, or under way, by the time its tests run."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,16 +48,60 @@ def max_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs() / spacing).max().item()
 
 
-def run(test_file: str) -> dict | None:
+# children running at once: one a core, and never more than 2 (the tests go on beside them)
+CHILDREN = max(1, min(2, os.cpu_count() or 1))
+CHILD_TIMEOUT = 600  # seconds from a child's start
+
+_FILES: list[str] = []  # the test files with a child, as their modules were imported
+_queue: list[str] = []  # files whose children wait for a free slot, in the session's order
+_children: dict[str, tuple[subprocess.Popen, float, object, object]] = {}
+
+
+def _start(test_file: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, test_file], env=env, cwd=ROOT, stdout=out,
+                            stderr=err, text=True)
+    _children[test_file] = (proc, time.monotonic(), out, err)
+
+
+def _top_up() -> None:
+    running = sum(proc.poll() is None for proc, *_ in _children.values())
+    while _queue and running < CHILDREN:
+        _start(_queue.pop(0))
+        running += 1
+
+
+@atexit.register
+def _stop_children() -> None:  # a session cut short leaves none running
+    for proc, *_ in _children.values():
+        if proc.poll() is None:
+            proc.kill()
+
+
+def run(test_file: str, session_files: list[str] = ()) -> dict | None:
     """The JSON the test file prints as the interpreter child (its last line); None on CUDA,
-    where the tests compute their own."""
+    where the tests compute their own. `session_files`: the other files whose children the
+    session will want, queued behind this one's if not started yet."""
     if torch.cuda.is_available():
         return None
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, test_file], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    for path in [test_file, *session_files]:
+        if path not in _children and path not in _queue:
+            _queue.append(path)
+    if test_file in _queue:  # its tests wait on it: it goes first
+        _queue.remove(test_file)
+        _start(test_file)
+    proc, started, out, err = _children[test_file]
+    while proc.poll() is None:
+        _top_up()
+        if time.monotonic() - started > CHILD_TIMEOUT:
+            proc.kill()
+            raise TimeoutError(f"{test_file}'s interpreter child ran past {CHILD_TIMEOUT} s")
+        time.sleep(0.2)
+    _top_up()
+    out.seek(0), err.seek(0)
+    assert proc.returncode == 0, err.read()[-4000:]
+    return json.loads(out.read().splitlines()[-1])
 
 
 def error_lookup(interpreted: dict | None, case_error: Callable[[str, str, str], float | str]
@@ -66,9 +118,13 @@ def fixtures(test_file: str, case_error: Callable[[str, str, str], float | str])
     both at module level: `interpreted, errors = triton_child.fixtures(__file__, case_error)`."""
     import pytest
 
+    _FILES.append(str(Path(test_file).resolve()))
+
     @pytest.fixture(scope="module")
-    def interpreted():
-        return run(test_file)
+    def interpreted(request):
+        selected = {str(item.path) for item in request.session.items}
+        return run(str(Path(test_file).resolve()),
+                   [path for path in _FILES if path in selected])
 
     @pytest.fixture(scope="module")
     def errors(interpreted):
