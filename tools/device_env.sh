@@ -4,6 +4,13 @@
 # installed into
 # /tmp/site for a GPU host without package access, on PYTHONPATH with the repository; and the
 # helpers below that the scripts share.
+# REQUIRE_GPU=NAME (e.g. H200): stop at once, status 3, where no GPU's name holds NAME, before
+# the wheels or any work, so that a device call that got another card costs only its start.
+if [ -n "${REQUIRE_GPU:-}" ] && ! nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null \
+    | grep -q -- "$REQUIRE_GPU"; then
+  echo "REQUIRE_GPU=$REQUIRE_GPU: this machine has $(nvidia-smi -L 2>/dev/null || echo 'no GPU')" >&2
+  exit 3
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl 2>&1 | grep -v "^WARNING: Target directory" | tail -2
