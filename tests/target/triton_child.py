@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -79,7 +79,7 @@ def _stop_children() -> None:  # a session cut short leaves none running
             proc.kill()
 
 
-def run(test_file: str, session_files: list[str] = ()) -> dict | None:
+def run(test_file: str, session_files: Sequence[str] = ()) -> dict | None:
     """The JSON the test file prints as the interpreter child (its last line); None on CUDA,
     where the tests compute their own. `session_files`: the other files whose children the
     session will want, queued behind this one's if not started yet."""
