@@ -1,8 +1,9 @@
 """The driver actor: owns one engine's actors (RayEngineCluster) and runs its loop
 (LocalEngineClient: one thread stepping the engine). A Serve replica talks to it through
-`RayEngineClient` (deploy/ray_client.py): `add` and `abort` per request, and one long-lived
-`stream` (a Ray streaming generator) that carries every request's new tokens of a step in one
-batch — one Ray object per step, however many requests run.
+`RayEngineClient` (deploy/ray_client.py): `add_many` per API request (its choices together),
+`abort` per engine request, and one long-lived `stream` (a Ray streaming generator) that
+carries every request's new tokens of a step in one batch — one Ray object per step, however
+many requests run.
 
 A step that fails (a rank died, or hung past the step timeout) fails the requests in flight
 with EngineStepError; the driver then kills every actor of the engine and starts them again in
@@ -15,18 +16,19 @@ import logging
 import sys
 import threading
 from collections.abc import AsyncIterator
+from functools import partial
 
 from cluster.engine import LLMEngine, RequestOutput
 from cluster.engine_loop import LocalEngineClient
-from cluster.engine_types import EngineDeadError, EngineSnapshot
+from cluster.engine_types import EngineDeadError, EngineRequest, EngineSnapshot
 from cluster.ray_executor import DEFAULT_STEP_TIMEOUT_S, RayEngineCluster
 from configs.engine import EngineConfig, SamplingParams
 from configs.logs import setup_logging
 from workers.step_loop import GIL_SWITCH_INTERVAL_S
 
 log = logging.getLogger(__name__)
-# A probe waits behind a step already queued: generous, to never restart a busy but healthy
-# engine.
+# An idle probe's ping step: rank 0's answer within this, or the actors answer Ray's probe once
+# it is overdue (cluster/executor.py) — a frozen actor fails it within seconds.
 PROBE_TIMEOUT_S = 60.0
 # One stream item: a request's output, or the exception that ends it.
 StreamItem = tuple[str, RequestOutput | Exception]
@@ -42,7 +44,7 @@ class EngineDriver:
         self._start_args = (cfg, tp, model_name, max_waiting, pg, use_gpu, step_timeout_s)
         self.cluster: RayEngineCluster | None = None
         self.client: LocalEngineClient | None = None
-        self._probing = False
+        self._probe: asyncio.Task | None = None
         self._batch: list[StreamItem] = []  # undelivered, appended by the engine thread
         self._batch_lock = threading.Lock()
         self._ready: asyncio.Event | None = None
@@ -73,17 +75,22 @@ class EngineDriver:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queues a request; its outputs come through `stream`. Raises EngineOverloaded or
+    def add_many(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Queues requests together, all or none (the choices of one API request); their
+        outputs come through `stream`. Raises EngineOverloaded, EngineDraining or
         EngineDeadError at once; a bad request's ValueError comes through `stream`."""
-        def deliver(item: RequestOutput | Exception) -> bool:
-            with self._batch_lock:
-                self._batch.append((request_id, item))
-            return True
+        self.client.submit_many([(EngineRequest(request_id, prompt_ids, params),
+                                  partial(self._deliver, request_id))
+                                 for request_id, prompt_ids, params in requests])
 
-        self.client.submit(request_id, prompt_ids, params, deliver)
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> bool:
+        with self._batch_lock:
+            self._batch.append((request_id, item))
+        return True
 
     async def abort(self, request_id: str) -> None:
+        """Also for a request whose add has not run yet (Ray may run the two in either
+        order): its add then ends it at once."""
         await self.client.abort(request_id)
 
     def _wake_stream(self) -> None:  # the engine thread, after each step's outputs
@@ -109,22 +116,26 @@ class EngineDriver:
         return self.client.snapshot()
 
     async def check_health(self) -> None:
-        """Also probes the actors while no request runs: a death between requests would
-        otherwise surface only as the next request's failure."""
+        """Raises while the engine restarts, or while its current step is overdue and its
+        actors are being probed. When no request runs it also starts a probe of the actors
+        (a ping step; not awaited here, so /health answers at once): a death or a freeze
+        between requests would otherwise surface only as the next request's failure."""
         await self.client.check_health()
-        if self.client.idle and not self._probing:
-            self._probing = True
-            try:
-                await self.client.call(lambda: self.cluster.ping(PROBE_TIMEOUT_S))
-            except EngineDeadError:
-                raise
-            except Exception as e:
-                reason = f"health probe failed: {type(e).__name__}: {e}"
-                log.warning(reason)
-                self.client.request_restart(reason)
-                raise EngineDeadError(reason) from None
-            finally:
-                self._probing = False
+        stalled = self.cluster.stalled()
+        if stalled is not None:
+            raise EngineDeadError(stalled)
+        if self.client.idle and (self._probe is None or self._probe.done()):
+            self._probe = asyncio.create_task(self._probe_idle())
+
+    async def _probe_idle(self) -> None:
+        try:
+            await self.client.call(lambda: self.cluster.ping(PROBE_TIMEOUT_S))
+        except EngineDeadError:
+            pass  # the client is shut down or dead: check_health says so
+        except Exception as e:
+            reason = f"health probe failed: {type(e).__name__}: {e}"
+            log.warning(reason)
+            self.client.request_restart(reason)
 
     async def check_alive(self) -> None:
         await self.client.check_alive()

@@ -122,11 +122,17 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise ValueError(f"prompt must be a list of token ids, got "
+                             f"{type(prompt_ids).__name__}")
         if not prompt_ids:
             raise ValueError("prompt is empty")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         vocab = self.target_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        # exact ints only: a tensor or numpy value would reach the workers as something else
+        if any(type(t) is not int or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens; the context length is {self.max_model_len}"

@@ -13,17 +13,22 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from cluster.engine import AcceptanceStats, LLMEngine, RequestOutput
 from cluster.engine_types import (
     EngineDeadError,
     EngineDraining,
     EngineOverloaded,
+    EngineRequest,
     EngineSnapshot,
     EngineStepError,
+    RequestStream,
     RequestTiming,
+    generate_one,
     request_failed,
 )
 from configs.engine import SamplingParams
@@ -32,6 +37,10 @@ log = logging.getLogger(__name__)
 
 # Delivers one output (or the exception that ends the request); False: nobody listens any more.
 Deliver = Callable[[RequestOutput | Exception], bool]
+# Aborts of requests the engine thread has not seen (yet): an add that arrives after its abort
+# (the driver actor may run the two calls in either order) ends at once. At most this many are
+# remembered; the oldest are forgotten first.
+MAX_EARLY_ABORTS = 4096
 
 
 @dataclass
@@ -124,28 +133,39 @@ class LocalEngineClient:
         self._fatal: str | None = None  # why the loop died
         self._unhealthy: str | None = None
         self._requests: dict[str, _Request] = {}  # engine thread only
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()  # engine thread only
         self._publish()
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
         self._thread.start()
 
     # ---- any thread ---------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               deliver: Deliver, timing: RequestTiming | None = None) -> None:
-        """Queues a request; its outputs (then, on failure, an exception) go to `deliver` on
-        the engine thread. Raises EngineDeadError or EngineOverloaded at once."""
+    def submit_many(self, requests: list[tuple[EngineRequest, Deliver]]) -> None:
+        """Queues requests together (the choices of one API request): all of them are admitted
+        or none. Each one's outputs (then, on failure, an exception) go to its `deliver` on the
+        engine thread. Raises EngineDeadError, EngineDraining or EngineOverloaded at once. A
+        group larger than `max_waiting` is admitted when nothing else waits."""
         with self._lock:
             if self._closed:
                 raise EngineDeadError(self._fatal or "the engine is shut down")
             if self._draining:
                 raise EngineDraining("the server is shutting down and takes no new requests")
-            if self.max_waiting is not None and self._num_waiting >= self.max_waiting:
+            k = len(requests)
+            if (self.max_waiting is not None and self._num_waiting > 0
+                    and self._num_waiting + k > self.max_waiting):
+                brings = "" if k == 1 else f" and this one brings {k} choices"
                 raise EngineOverloaded(
-                    f"{self._num_waiting} requests are already waiting; retry later")
-            self._num_waiting += 1
-            self._inbox.put(_Add(request_id, list(prompt_ids), params,
-                                 _Request(request_id, deliver, timing,
-                                          prompt_ids=list(prompt_ids), params=params)))
+                    f"{self._num_waiting} requests are already waiting{brings}; retry later")
+            self._num_waiting += k
+            for r, deliver in requests:
+                ids = list(r.prompt_ids)
+                self._inbox.put(_Add(r.request_id, ids, r.params,
+                                     _Request(r.request_id, deliver, r.timing, prompt_ids=ids,
+                                              params=r.params)))
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               deliver: Deliver, timing: RequestTiming | None = None) -> None:
+        self.submit_many([(EngineRequest(request_id, prompt_ids, params, timing), deliver)])
 
     def cancel(self, request_id: str, done: Callable[[], None] | None = None) -> None:
         """Drops the request (its last output says finish_reason "abort"); `done` runs on the
@@ -159,23 +179,22 @@ class LocalEngineClient:
 
     # ---- asyncio side -----------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
-        loop, items = asyncio.get_running_loop(), asyncio.Queue()
-        self.submit(request_id, prompt_ids, params,
-                    lambda item: _threadsafe(loop, items.put_nowait, item), timing)
-        done = False
-        try:
-            while not done:
-                item = await items.get()
-                if isinstance(item, Exception):
-                    done = True
-                    raise item
-                done = item.finished
-                yield item
-        finally:
-            if not done:  # the consumer left early (disconnect, stop string, cancellation)
-                self.cancel(request_id)
+    async def generate_many(self, requests: list[EngineRequest]) -> list[RequestStream]:
+        """Admits the requests together (`submit_many`); a stream for each, in order."""
+        loop = asyncio.get_running_loop()
+        queues = [asyncio.Queue() for _ in requests]
+        self.submit_many([(r, partial(_threadsafe, loop, q.put_nowait))
+                          for r, q in zip(requests, queues, strict=True)])
+        return [RequestStream(r.request_id, q, self._stream_end)
+                for r, q in zip(requests, queues, strict=True)]
+
+    def _stream_end(self, request_id: str, early: bool) -> None:
+        if early:  # the consumer left (disconnect, stop string, cancellation)
+            self.cancel(request_id)
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
+        return generate_one(self, EngineRequest(request_id, prompt_ids, params, timing))
 
     async def abort(self, request_id: str) -> None:
         """Returns once the engine has dropped the request and freed its pages and slot."""
@@ -297,16 +316,20 @@ class LocalEngineClient:
                     self._deliver(pending)
                     self._fail_all(lambda: EngineDeadError("the engine is shut down"))
                     return
-                if isinstance(cmd, _Add):
-                    self._add(cmd)
-                elif isinstance(cmd, _Abort):
-                    self._abort(cmd)
-                elif isinstance(cmd, _Call):
-                    self._call(cmd)
-                else:
+                if isinstance(cmd, _Restart):
                     self._deliver(pending)
                     pending = []
                     self._fail_and_recover(RuntimeError(cmd.reason), cmd.reason)
+                    continue
+                try:
+                    if isinstance(cmd, _Add):
+                        self._add(cmd)
+                    elif isinstance(cmd, _Abort):
+                        self._abort(cmd)
+                    else:
+                        self._call(cmd)
+                except Exception as e:  # one request's command: it fails alone, never the loop
+                    self._command_failed(cmd, e)
             began = False
             if self._busy():
                 try:
@@ -327,6 +350,11 @@ class LocalEngineClient:
 
     def _add(self, cmd: _Add) -> None:
         req = cmd.request
+        if cmd.request_id in self._early_aborts:  # its abort came first
+            del self._early_aborts[cmd.request_id]
+            self._end(req, RequestOutput(cmd.request_id, cmd.prompt_ids, [], [], True, "abort",
+                                         []))
+            return
         if cmd.request_id in self._requests:
             self._end(req, ValueError(f"request id {cmd.request_id!r} is already in use"))
             return
@@ -344,8 +372,25 @@ class LocalEngineClient:
             last = req.last or RequestOutput(cmd.request_id, [], [], [], False, None, [])
             self._end(req, replace(last, new_token_ids=[], new_logprobs=None,
                                    prompt_logprobs=None, finished=True, finish_reason="abort"))
+        else:  # not added yet (or finished already): an add that comes later ends at once
+            self._early_aborts[cmd.request_id] = None
+            if len(self._early_aborts) > MAX_EARLY_ABORTS:
+                self._early_aborts.popitem(last=False)
         if cmd.done is not None:
             cmd.done()
+
+    def _command_failed(self, cmd: _Add | _Abort | _Call, error: Exception) -> None:
+        """A command raised: its request (or caller) gets the error; the loop goes on."""
+        log.exception("engine command %s failed", type(cmd).__name__)
+        if isinstance(cmd, _Add):
+            self._requests.pop(cmd.request_id, None)
+            self._end(cmd.request, EngineStepError(
+                f"request {cmd.request_id!r} failed in the engine ({type(error).__name__}: "
+                f"{error}); other requests were not affected"))
+        elif isinstance(cmd, _Abort) and cmd.done is not None:
+            cmd.done()
+        elif isinstance(cmd, _Call):
+            cmd.done(error)
 
     def _call(self, cmd: _Call) -> None:
         try:

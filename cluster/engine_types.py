@@ -1,13 +1,17 @@
 """What both sides of an engine client share, in process and across the driver actor: errors
-(each maps to one HTTP status), snapshots of the engine's state, per-request timing."""
+(each maps to one HTTP status), snapshots of the engine's state, per-request timing, and the
+requests and their output streams."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from cluster.engine import AcceptanceStats
+from cluster.engine import AcceptanceStats, RequestOutput
 from cluster.stats import TimeHistogram
+from configs.engine import SamplingParams
 
 
 class EngineOverloaded(RuntimeError):
@@ -65,3 +69,64 @@ class RequestTiming:
         else:
             self.token_batches.append((now - self.last_token, num_tokens))
         self.last_token = now
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One engine request (a choice of an API request): what `generate_many` admits."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    timing: RequestTiming | None = None
+
+
+class RequestStream:
+    """One admitted request's outputs, in order, until one is finished (or the exception that
+    ends it). `end(request_id, early)` runs once: when the stream has seen the request's end
+    (early False), or when `aclose()` comes first (early True: the client aborts the request).
+    Whoever admits requests closes every stream it got, whether it read from it or not."""
+
+    def __init__(self, request_id: str, items: asyncio.Queue,
+                 end: Callable[[str, bool], None], timing: RequestTiming | None = None):
+        self.request_id, self._items, self._end = request_id, items, end
+        self._timing = timing  # stamped here when the engine's side cannot (across Ray)
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._items.get()
+        if isinstance(item, Exception):
+            self._finish(early=False)  # the engine's side has ended the request already
+            raise item
+        if self._timing is not None:
+            now = time.monotonic()
+            if item.new_token_ids:
+                self._timing.record(len(item.new_token_ids), now)
+            if item.finished:
+                self._timing.finished = now
+        if item.finished:
+            self._finish(early=False)
+        return item
+
+    async def aclose(self) -> None:
+        self._finish(early=True)
+
+    def _finish(self, early: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._end(self.request_id, early)
+
+
+async def generate_one(client, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    """`generate` of both engine clients: one request through `generate_many`."""
+    (stream,) = await client.generate_many([request])
+    try:
+        async for out in stream:
+            yield out
+    finally:
+        await stream.aclose()

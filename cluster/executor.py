@@ -13,7 +13,10 @@ host work of the previous step meanwhile; in process it runs the step."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from workers.channel import ChannelReader, ChannelTimeout, ChannelWriter
@@ -27,6 +30,8 @@ from workers.stepper import (
     draft_proposes,
     draft_writes_context,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -81,32 +86,119 @@ class LocalExecutor:
         pass
 
 
+# A step is overdue once it has run STALL_FACTOR times its expected time (StepTimes), and at
+# least STALL_MIN_S. Its actors are then asked, through Ray (a thread beside each one's step
+# loop), to answer within PROBE_TIMEOUT_S, again every PROBE_EVERY_S while it runs on. One that
+# does not answer is frozen (stopped, or wedged with the interpreter held): the step fails with
+# ActorUnresponsive, and the engine restarts. Actors that answer are slow, not stuck (a kernel
+# compiling, a step longer than the warm-up's): the step goes on, up to step_timeout_s.
+STALL_FACTOR = 8.0
+STALL_MIN_S = 5.0
+PROBE_TIMEOUT_S = 5.0
+PROBE_EVERY_S = 10.0
+
+
+@dataclass
+class StepTimes:
+    """A step's expected seconds from the warm-up's steps (the start-up profile), each figure
+    the largest seen: a cost per sequence of a step (rounds) plus a cost per prompt token fed
+    (prefill chunks). Until `calibrate()` nothing is expected, and no step is overdue before
+    step_timeout_s (the warm-up itself compiles kernels)."""
+
+    per_seq_s: float = 0.0
+    per_token_s: float = 0.0
+    calibrated: bool = False
+
+    def observe(self, msg: StepMsg, seconds: float) -> None:
+        if self.calibrated:
+            return
+        tokens = sum(msg.chunk_lens)
+        if msg.kind is StepKind.PREFILL and tokens:
+            self.per_token_s = max(self.per_token_s, seconds / tokens)
+        else:
+            self.per_seq_s = max(self.per_seq_s, seconds / max(1, len(msg.seq_ids)))
+
+    def calibrate(self) -> None:
+        self.calibrated = True
+
+    def deadline_s(self, msg: StepMsg) -> float | None:
+        """Seconds after which `msg` is overdue; None before calibration."""
+        if not self.calibrated:
+            return None
+        expected = self.per_seq_s * max(1, len(msg.seq_ids)) + self.per_token_s * sum(
+            msg.chunk_lens)
+        return max(STALL_MIN_S, STALL_FACTOR * expected)
+
+
+@dataclass
+class _InFlight:
+    step_id: int
+    msg: StepMsg
+    sent: float  # time.monotonic()
+
+
 class ChannelExecutor:
     """The driver's end: `steps` goes to every TP rank and the draft, `results` comes from
     rank 0. `check` raises when an actor of the engine has died (called while a wait sleeps);
-    a step with no result within `step_timeout_s` raises ActorStepTimeout."""
+    `probe(timeout_s)` raises when an actor does not answer (asked once a step is overdue,
+    see StepTimes); a step with no result within `step_timeout_s` raises ActorStepTimeout.
+    `stalled` says, for /health, why the step waited on now is overdue (None: it is not, or
+    its actors answered)."""
 
     def __init__(self, steps: ChannelWriter, results: ChannelReader,
-                 check: Callable[[], None], step_timeout_s: float):
+                 check: Callable[[], None], step_timeout_s: float,
+                 probe: Callable[[float], None] | None = None, times: StepTimes | None = None):
         self.steps, self.results = steps, results
         self.check, self.step_timeout_s = check, step_timeout_s
-        self._in_flight: list[int] = []
+        self.probe, self.times = probe, times or StepTimes()
+        self.stalled: str | None = None
+        self._in_flight: list[_InFlight] = []
 
     def submit(self, msg: StepMsg) -> None:
         self.steps.send(msg, self.step_timeout_s, self.check)
-        self._in_flight.append(msg.step_id)
+        self._in_flight.append(_InFlight(msg.step_id, msg, time.monotonic()))
 
     def result(self, timeout_s: float | None = None) -> StepResult:
-        step_id = self._in_flight.pop(0)
+        step = self._in_flight.pop(0)
         timeout_s = self.step_timeout_s if timeout_s is None else timeout_s
         try:
-            res: StepResult = self.results.recv(timeout_s, self.check)
+            res: StepResult = self.results.recv(timeout_s, self._watch(step))
         except ChannelTimeout:
-            raise ActorStepTimeout(f"step {step_id}: no result within {timeout_s:.0f} s"
+            raise ActorStepTimeout(f"step {step.step_id}: no result within {timeout_s:.0f} s"
                                    ) from None
-        if res.step_id != step_id:
-            raise RuntimeError(f"step {step_id}: rank 0 answered step {res.step_id}")
+        finally:
+            self.stalled = None
+        if res.step_id != step.step_id:
+            raise RuntimeError(f"step {step.step_id}: rank 0 answered step {res.step_id}")
+        self.times.observe(step.msg, time.monotonic() - step.sent)
         return res
+
+    def _watch(self, step: _InFlight) -> Callable[[], None]:
+        """What a wait for `step` runs every poll: the dead-actor check, then, once the step
+        is overdue, a probe of the actors every PROBE_EVERY_S."""
+        deadline = self.times.deadline_s(step.msg)
+        next_probe = None if deadline is None or self.probe is None else step.sent + deadline
+
+        def watch() -> None:
+            nonlocal next_probe
+            self.check()
+            now = time.monotonic()
+            if next_probe is None or now < next_probe:
+                return
+            ran = now - step.sent
+            self.stalled = (f"step {step.step_id} has run {ran:.1f} s, past the {deadline:.1f} s "
+                            f"expected at most; probing the engine's actors")
+            try:
+                self.probe(PROBE_TIMEOUT_S)
+            except ActorUnresponsive as e:
+                raise ActorUnresponsive(f"step {step.step_id} ran {ran:.1f} s (overdue after "
+                                        f"{deadline:.1f} s) and {e}") from None
+            log.warning("step %d has run %.1f s (overdue after %.1f s); every actor answers, "
+                        "so it goes on", step.step_id, time.monotonic() - step.sent, deadline)
+            self.stalled = None
+            next_probe = time.monotonic() + PROBE_EVERY_S
+
+        return watch
 
     def shutdown(self) -> None:
         """Ends the actors' loops (STOP), then closes this end."""
@@ -120,3 +212,7 @@ class ChannelExecutor:
 
 class ActorStepTimeout(TimeoutError):
     pass
+
+
+class ActorUnresponsive(ActorStepTimeout):
+    """An actor of the engine did not answer a probe while a step was overdue."""

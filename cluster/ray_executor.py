@@ -17,9 +17,12 @@ CUDA IPC on a shared GPU, shared memory on CPU) or, for a separate draft, an NCC
 send/recv pair; only a small `AuxRef` rides the results channel.
 
 Failure handling: while the driver waits on the channel it checks the loops' Ray tasks, so a
-dead actor (or one whose loop raised) surfaces within `POLL_S` of Ray noticing, and a hung one
-after `step_timeout_s`. The caller then `restart()`s: every actor of the engine is killed and
-started afresh in the same placement group."""
+dead actor (or one whose loop raised) surfaces within `POLL_S` of Ray noticing. A step that
+runs far past what the warm-up's steps took is overdue (cluster/executor.py, StepTimes): the
+actors are probed through Ray, and one that does not answer (a frozen process) fails the step
+within seconds; one whose step is slow but whose process answers has until `step_timeout_s`.
+The caller then `restart()`s: every actor of the engine is killed and started afresh in the
+same placement group."""
 
 from __future__ import annotations
 
@@ -34,7 +37,13 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine import EnginePlan, LLMEngine
-from cluster.executor import ActorStepTimeout, ChannelExecutor, execute
+from cluster.executor import (
+    ActorStepTimeout,
+    ActorUnresponsive,
+    ChannelExecutor,
+    StepTimes,
+    execute,
+)
 from cluster.startup import start_parts
 from configs.engine import EngineConfig
 from draft.actor import DraftWorker
@@ -163,6 +172,8 @@ class RayEngineCluster:
         self.loops: dict = {}  # each actor's serve_steps task → its name
         self.channel_kind = ""
         self.executor: ChannelExecutor | None = None
+        # The first start's warm-up sets what a step is expected to take; restarts keep it.
+        self.step_times = StepTimes()
         self.restarts = 0
         self.engine = self._start()
 
@@ -177,6 +188,7 @@ class RayEngineCluster:
         self.executor = self._start_loops()
         engine = LLMEngine(self.cfg, self.executor, self.plan)
         engine.warm_up()
+        self.step_times.calibrate()
         return engine
 
     def _actors(self) -> list:
@@ -219,7 +231,8 @@ class RayEngineCluster:
         names = [f"target rank {i}" for i in range(tp)] + (["draft"] if draft else [])
         self.loops = {a.serve_steps.remote(): name
                       for a, name in zip(self._actors(), names, strict=True)}
-        return ChannelExecutor(steps, results, self._check_loops, timeout)
+        return ChannelExecutor(steps, results, self._check_loops, timeout, self._probe,
+                               self.step_times)
 
     def _check_loops(self) -> None:
         """Raises ActorDied if an actor's step loop has ended (it never does while healthy)."""
@@ -236,13 +249,37 @@ class RayEngineCluster:
             raise ActorDied(f"{name} died") from None
         raise ActorDied(f"{name}'s step loop returned")
 
+    def _probe(self, timeout_s: float) -> None:
+        """Asks every actor, through Ray (the thread beside its step loop), to answer within
+        `timeout_s`; raises ActorUnresponsive naming those that did not (ActorDied for one that
+        died)."""
+        self._check_loops()
+        names = [f"target rank {i}" for i in range(self.tp)] + (["draft"] if self.draft else [])
+        refs = {a.ping.remote(): name for a, name in zip(self._actors(), names, strict=True)}
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                raise ActorDied(f"{refs[ref]} died") from None
+        if pending:
+            raise ActorUnresponsive(f"{', '.join(refs[r] for r in pending)} did not answer a "
+                                    f"probe within {timeout_s:g} s")
+
+    def stalled(self) -> str | None:
+        """Why the step waited on now is overdue, while its actors are being probed (any
+        thread may ask)."""
+        executor = self.executor
+        return None if executor is None else executor.stalled
+
     def actors(self) -> dict[str, list]:
         """Handles of the live actors (for operators and fault-injection tests)."""
         return {"workers": list(self.workers), "draft": [self.draft] if self.draft else []}
 
     def ping(self, timeout_s: float = 10.0) -> None:
-        """Raises if an actor is dead or rank 0's loop does not answer within `timeout_s`.
-        Writes the steps channel: call it from the thread that steps the engine."""
+        """Raises if an actor is dead, or rank 0's loop does not answer within `timeout_s`, or
+        an actor does not answer the probe of an overdue ping. Writes the steps channel: call
+        it from the thread that steps the engine."""
         self._check_loops()
         self.executor.submit(StepMsg(-2, StepKind.CALL, call=("ping", ())))
         self.executor.result(timeout_s)

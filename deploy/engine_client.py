@@ -13,14 +13,17 @@ from cluster.engine_types import (
     EngineDeadError,
     EngineDraining,
     EngineOverloaded,
+    EngineRequest,
     EngineSnapshot,
     EngineStepError,
+    RequestStream,
     RequestTiming,
 )
 from configs.engine import SamplingParams
 
 __all__ = ["EngineClient", "EngineDeadError", "EngineDraining", "EngineOverloaded",
-           "EngineSnapshot", "EngineStepError", "LocalEngineClient", "RequestTiming"]
+           "EngineRequest", "EngineSnapshot", "EngineStepError", "LocalEngineClient",
+           "RequestStream", "RequestTiming"]
 
 
 class EngineClient(Protocol):
@@ -28,11 +31,17 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
 
+    async def generate_many(self, requests: list[EngineRequest]) -> list[RequestStream]:
+        """Admits the requests together (an API request's choices): all of them, or none
+        (EngineOverloaded, EngineDraining, EngineDeadError at once). A stream for each, in
+        order, which the caller must close (closing one before its end aborts the request).
+        A bad request's ValueError, or EngineStepError, comes through its stream."""
+        ...
+
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
-        """An async generator: each step's output for this request until one is finished.
-        Raises ValueError (bad request), EngineOverloaded or EngineDeadError before yielding,
-        EngineStepError at any point. Closing it before the end aborts the request."""
+        """One request as an async generator: each step's output until one is finished.
+        Closing it before the end aborts the request."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -29,9 +29,12 @@ from cluster.driver import EngineDriver
 from cluster.engine import RequestOutput
 from cluster.engine_types import (
     EngineDeadError,
+    EngineRequest,
     EngineSnapshot,
     EngineStepError,
+    RequestStream,
     RequestTiming,
+    generate_one,
 )
 from cluster.ray_executor import (
     DEFAULT_STEP_TIMEOUT_S,
@@ -41,7 +44,15 @@ from cluster.ray_executor import (
 from configs.engine import EngineConfig, SamplingParams
 
 DRIVER_NAME_PREFIX = "dflash-driver-"  # named, so operators can find it: ray list actors
-HEALTH_TIMEOUT_S = 90.0  # above the driver's own probe timeout
+# Serve's replica health check (check_alive): generous, so a busy driver is never replaced.
+HEALTH_TIMEOUT_S = 90.0
+# GET /health: an answer within this, else 503 (a load balancer's probe must not hang).
+HEALTH_ANSWER_S = 5.0
+# The replica asks its driver every DRIVER_WATCH_S whether it is alive; one that has not
+# answered for DRIVER_LOST_S is frozen (stopped, or its event loop wedged): the requests in
+# flight fail and a new driver starts, as when it dies.
+DRIVER_WATCH_S = 5.0
+DRIVER_LOST_S = 30.0
 # Streams in flight per driver: its asyncio loop only forwards tokens, so this is generous.
 DRIVER_MAX_CONCURRENCY = 4096
 
@@ -116,7 +127,9 @@ class RayEngineClient:
         self._respawn_failed = False
         self._closing = False
         self.driver_restarts = 0
+        self._lost: EngineDeadError | None = None  # why the watchdog cut the stream
         self._reader = asyncio.create_task(self._read_stream())
+        self._watchdog = asyncio.create_task(self._watch_driver())
 
     @classmethod
     async def start(cls, cfg: EngineConfig, tp: int, model_name: str,
@@ -194,7 +207,8 @@ class RayEngineClient:
                         q.put_nowait(item)
             error: Exception = EngineDeadError("the engine driver's stream ended")
         except asyncio.CancelledError:
-            error = EngineDeadError("the engine is shut down")
+            error = self._lost or EngineDeadError("the engine is shut down")
+            self._lost = None
         except Exception as e:
             error = _unwrap(e)
             if not isinstance(error, EngineDeadError):
@@ -205,40 +219,66 @@ class RayEngineClient:
         if not self._closing and self._spawn_args is not None:
             self._respawning = asyncio.create_task(self._respawn(error))
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
+    async def _watch_driver(self) -> None:
+        """Declares the driver lost once it stops answering: a frozen process never dies by
+        itself, and its requests would wait forever. The stream is cut (the requests in flight
+        fail with EngineDeadError) and a new driver starts."""
+        while not self._closing:
+            await asyncio.sleep(DRIVER_WATCH_S)
+            driver = self.driver
+            if self._dead is not None or self._reader.done():
+                continue  # already lost: a new driver is starting
+            try:
+                await asyncio.wait_for(driver.check_alive.remote(), DRIVER_LOST_S)
+            except TimeoutError:
+                if driver is self.driver and not self._reader.done():
+                    self._lost = EngineDeadError(f"the engine driver stopped answering (no "
+                                                 f"answer for {DRIVER_LOST_S:.0f} s)")
+                    self._reader.cancel()
+            except Exception:
+                pass  # dead, or failing check_alive: the stream and Serve's check handle it
+
+    async def generate_many(self, requests: list[EngineRequest]) -> list[RequestStream]:
+        """Admits the requests together, in one call to the driver (all or none)."""
         if self._respawning is not None and not self._respawning.done():
             # a new driver is starting: wait for it, as requests wait out an engine restart
             await asyncio.shield(self._respawning)
         if self._dead is not None:
             raise self._dead
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        q = self._queues[request_id] = asyncio.Queue()
-        done = False
+        ids = [r.request_id for r in requests]
+        for request_id in ids:
+            if request_id in self._queues or ids.count(request_id) > 1:
+                raise ValueError(f"request id {request_id!r} is already in use")
+        queues = {request_id: asyncio.Queue() for request_id in ids}
+        self._queues.update(queues)
+        added = self.driver.add_many.remote(
+            [(r.request_id, list(r.prompt_ids), r.params) for r in requests])
         try:
-            try:
-                await self.driver.add.remote(request_id, list(prompt_ids), params)
-            except Exception as e:
-                done = True
-                raise _unwrap(e) from None
-            while not done:
-                item = await q.get()
-                if isinstance(item, Exception):
-                    done = True  # the driver side has ended the request already
-                    raise item
-                if timing is not None:
-                    now = time.monotonic()
-                    if item.new_token_ids:
-                        timing.record(len(item.new_token_ids), now)
-                    if item.finished:
-                        timing.finished = now
-                done = item.finished
-                yield item
-        finally:
-            del self._queues[request_id]
-            if not done and self._dead is None:  # the consumer left early: stop its work
-                self.driver.abort.remote(request_id)
+            await added
+        except asyncio.CancelledError:  # the add may still run: abort its requests after it
+            asyncio.ensure_future(self._abort_after(added, ids))
+            raise
+        except Exception as e:
+            for request_id in ids:
+                self._queues.pop(request_id, None)
+            raise _unwrap(e) from None
+        return [RequestStream(r.request_id, queues[r.request_id], self._stream_end, r.timing)
+                for r in requests]
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
+        return generate_one(self, EngineRequest(request_id, prompt_ids, params, timing))
+
+    def _stream_end(self, request_id: str, early: bool) -> None:
+        self._queues.pop(request_id, None)
+        if early and self._dead is None:  # the consumer left early: stop its work
+            self.driver.abort.remote(request_id)
+
+    async def _abort_after(self, added, request_ids: list[str]) -> None:
+        with contextlib.suppress(Exception):
+            await added
+        for request_id in request_ids:
+            self._stream_end(request_id, early=True)
 
     async def abort(self, request_id: str) -> None:
         try:
@@ -269,7 +309,7 @@ class RayEngineClient:
     async def check_health(self) -> None:
         if self._dead is not None:
             raise self._dead
-        await self._call("check_health")
+        await self._call("check_health", HEALTH_ANSWER_S)
 
     async def check_alive(self) -> None:
         """Passes while a new driver starts; fails once that failed."""
@@ -283,6 +323,7 @@ class RayEngineClient:
         self._closing = True
         if self._respawning is not None:
             self._respawning.cancel()
+        self._watchdog.cancel()
         self._reader.cancel()
         try:
             await asyncio.wait_for(self.driver.shutdown.remote(), 60)

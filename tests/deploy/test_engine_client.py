@@ -347,3 +347,79 @@ def test_drain_past_its_grace_stops_what_still_runs_and_frees_it(client):
 
     assert asyncio.run(run()) == {"in_flight": 2, "finished": 0, "stopped": 2}
     assert_idle(client.engine)
+
+
+def test_a_request_the_engine_cannot_take_fails_alone(client):
+    """What the HTTP layer never sends, sent anyway (a tensor as a prompt, a params dict):
+    that request ends with an error; the loop, and the request beside it, go on."""
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    p = prompts(2, 12)
+
+    async def run():
+        other = asyncio.create_task(collect(client, "fine", p[0], params))
+        with pytest.raises(ValueError, match="integers"):
+            await anext(client.generate("tensor", [torch.tensor([1, 2, 3])], params))
+        with pytest.raises(ValueError, match="SamplingParams"):
+            await anext(client.generate("dict", p[1], {"max_tokens": 3}))
+        return await other
+
+    out = asyncio.run(run())
+    assert out.output_ids == make_engine(draft=False).generate([p[0]], params)[0].output_ids
+    asyncio.run(client.check_health())
+    assert_idle(client.engine)
+
+
+def test_an_abort_that_comes_before_its_add_ends_the_request_at_once(client):
+    """The driver actor may run a request's abort before its add (Ray does not order an
+    async actor's calls): the add then ends the request without running it."""
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def run():
+        await client.abort("early")  # nothing of that id yet
+        return [out async for out in client.generate("early", prompts(1, 13)[0], params)]
+
+    (out,) = asyncio.run(run())
+    assert out.finished and out.finish_reason == "abort" and out.output_ids == []
+    assert_idle(client.engine)
+
+
+def test_a_requests_choices_are_admitted_together_or_refused_at_once(monkeypatch):
+    """generate_many: all of a request's choices fit the queue, or none is queued
+    (EngineOverloaded before anything waits); a group larger than max_waiting is admitted
+    when nothing else waits."""
+    from deploy.engine_client import EngineRequest
+
+    client = LocalEngineClient(make_engine(), "tiny", max_waiting=3)
+    gate, real_prefill = threading.Event(), client.engine.executor.runner.prefill
+
+    def gated_prefill(*args, **kwargs):
+        gate.wait(timeout=30)
+        return real_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(client.engine.executor.runner, "prefill", gated_prefill)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    p = prompts(1, 14)[0]
+
+    def group(name: str, n: int) -> list[EngineRequest]:
+        return [EngineRequest(f"{name}-{j}", p, params) for j in range(n)]
+
+    async def drain(streams) -> list[str]:
+        out = []
+        for s in streams:
+            out += [o.finish_reason async for o in s if o.finished]
+            await s.aclose()
+        return out
+
+    async def run():
+        big = await client.generate_many(group("big", 5))  # 5 > 3, but nothing waits
+        with pytest.raises(EngineOverloaded, match="brings 2 choices"):
+            await client.generate_many(group("pair", 2))
+        gate.set()
+        return await drain(big), await drain(await client.generate_many(group("after", 2)))
+
+    try:
+        big, after = asyncio.run(run())
+    finally:
+        gate.set()
+        client.close()
+    assert big == ["length"] * 5 and after == ["length"] * 2
