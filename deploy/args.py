@@ -113,6 +113,9 @@ class ServeArgs:
         "directory holding a generation_config.json")
     chat_template: str | None = arg(
         None, "a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    trust_request_chat_template: bool = arg(
+        False, "let requests bring their own chat template (chat_template); by default only "
+        "the server's is rendered")
     seed: int = arg(0, "seeds the sampling of requests that bring no seed")
 
     def __post_init__(self) -> None:
@@ -234,7 +237,8 @@ class ServeArgs:
         return ApiOptions(api_key=self.api_key, allowed_origins=tuple(self.allowed_origins),
                           allowed_methods=tuple(self.allowed_methods),
                           allowed_headers=tuple(self.allowed_headers),
-                          allow_credentials=self.allow_credentials)
+                          allow_credentials=self.allow_credentials,
+                          trust_request_chat_template=self.trust_request_chat_template)
 
     def model_dirs(self, download: bool = True) -> tuple[str, str | None] | None:
         """The target's and the draft's checkpoint directories on this machine (relative paths

@@ -31,13 +31,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from deploy import __version__
+from deploy.chat_template import ChatTemplate, RenderLimits
 from deploy.detokenizer import TextStream
 from deploy.engine_client import (
     EngineClient,
     EngineDeadError,
     EngineDraining,
     EngineOverloaded,
+    EngineRequest,
     EngineStepError,
+    RequestStream,
     RequestTiming,
 )
 from deploy.metrics import ServingMetrics
@@ -69,6 +72,7 @@ from deploy.protocol import (
     parse_request,
     value_error,
 )
+from deploy.token_text import TokenTexts
 from workers.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -80,8 +84,8 @@ class _Generation:
     reason). `echo_only` (max_tokens 0 with echo): the engine generates one token for the
     prompt's log-probabilities, and the choice reports none."""
 
-    def __init__(self, client: EngineClient, request_id: str, prompt_ids: list[int], params,
-                 text: TextStream, timing: RequestTiming, echo_only: bool = False):
+    def __init__(self, stream: RequestStream, prompt_ids: list[int], text: TextStream,
+                 timing: RequestTiming, echo_only: bool = False):
         self.prompt_ids = prompt_ids
         self.text = text
         self.timing = timing
@@ -89,8 +93,9 @@ class _Generation:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.prompt_owner: _Generation = self  # the choice that brings the prompt's logprobs
         self.finish_reason: str | None = None
-        self._stream = client.generate(request_id, prompt_ids, params, timing)
+        self._stream = stream
         self._first = None
 
     async def start(self) -> None:
@@ -183,7 +188,16 @@ async def _merged(gens: list[_Generation]) -> AsyncIterator[tuple[int, tuple]]:
     finally:
         for t in tasks:
             t.cancel()
+        # a pump cancelled before it ran never closed its choice: close every one here
+        await _close_all(gens)
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_all(gens: list[_Generation]) -> None:
+    """Aborts every choice still running. It never suspends (closing a stream only sends the
+    abort), so a cancellation cannot cut it short."""
+    for g in gens:
+        await g.close()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -209,18 +223,22 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 class _ClosingStream(StreamingResponse):
-    """A stream whose body is closed however the response ends, which aborts the engine
-    requests still running at once. Starlette itself leaves the body open when the response
-    does not complete: a send that fails because the client left (ASGI ≥ 2.4) or a handler
-    cancelled when it did (Ray Serve cancels a replica's request then). The body then closed
-    only when the collector found it, with a reference cycle as late as a full collection,
-    and the request went on generating until then or to its end."""
+    """A stream whose body and choices are closed however the response ends, which aborts
+    the engine requests still running at once. Starlette itself leaves the body open when the
+    response does not complete: a send that fails because the client left (ASGI ≥ 2.4) or a
+    handler cancelled when it did (Ray Serve cancels a replica's request then); and a body
+    that never started cannot close what it was given."""
+
+    def __init__(self, body, gens: list[_Generation], **kwargs):
+        super().__init__(body, **kwargs)
+        self.gens = gens
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await _close_all(self.gens)
 
 
 def _sse(payload: dict | str) -> str:
@@ -274,21 +292,35 @@ def as_request_error(e: Exception) -> RequestError:
 
 MIN_LOGPROB = -9999.0  # what -inf is reported as (vLLM's value)
 # A text prompt of more characters than the context × this cannot fit and is refused before
-# it is tokenized (tokenizing megabytes takes seconds).
+# it is tokenized (tokenizing megabytes takes seconds); also the chat template's output limit.
 MAX_CHARS_PER_TOKEN = 64
+# Bodies up to this size are parsed on the event loop; larger ones in a thread.
+PARSE_INLINE_BYTES = 64 << 10
+# Log-probabilities one response may hold (a token's, or an alternative's): about 200 MB of
+# JSON. A response grows with n × max_tokens × alternatives; one request may not ask for
+# more than this (a 400 before any work).
+MAX_LOGPROB_ENTRIES = 1 << 22
 
 
 class OpenAIServer:
     def __init__(self, client: EngineClient, tokenizer, metrics: ServingMetrics,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 defaults: SamplingDefaults = OPENAI_DEFAULTS):
+                 defaults: SamplingDefaults = OPENAI_DEFAULTS,
+                 trust_request_chat_template: bool = False):
         self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
         self.max_request_bytes, self.defaults = max_request_bytes, defaults
-        self._token_texts: dict[int, str] = {}  # at most the vocabulary
+        self.max_chars = client.max_model_len * MAX_CHARS_PER_TOKEN
+        self.chat = None if tokenizer is None else ChatTemplate(
+            tokenizer, RenderLimits(max_chars=self.max_chars), trust_request_chat_template)
+        self.tokens = TokenTexts(tokenizer)
 
     async def _body(self, request: Request) -> bytes:
         """The body, refused with 413 once it is larger than max_request_bytes (by its
-        Content-Length before reading, else while reading)."""
+        Content-Length before reading, else while reading); a compressed body is a 415."""
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise RequestError(f"Content-Encoding {encoding!r} is not supported: send the body "
+                               f"uncompressed", None, "unsupported_media_type", 415)
         limit = self.max_request_bytes
         too_large = RequestError(f"the request body is larger than {limit} bytes (the "
                                  f"server's max_request_bytes)", None, "request_too_large", 413)
@@ -303,12 +335,25 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    @staticmethod
+    async def _parse(model: type[T], raw: bytes) -> T:
+        """The body as `model`; a large one is parsed in a thread, so that the event loop (the
+        other streams, /health) is not held for the whole of it."""
+        if len(raw) <= PARSE_INLINE_BYTES:
+            return parse_request(model, raw)
+        return await asyncio.to_thread(parse_request, model, raw)
+
     def _check_chars(self, num_chars: int, param: str) -> None:
         context = self.client.max_model_len
-        if num_chars > context * MAX_CHARS_PER_TOKEN:
+        if num_chars > self.max_chars:
             raise RequestError(
                 f"the prompt has {num_chars} characters; a context of {context} tokens holds "
                 f"far fewer; shorten the prompt", param, "context_length_exceeded")
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.client.vocab_size
+        if any(type(t) is not int or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"token ids must be integers in [0, {vocab})", param)
 
     def error(self, endpoint: str, e: Exception) -> JSONResponse:
         err = as_request_error(e)
@@ -321,7 +366,8 @@ class OpenAIServer:
         it as given); text is tokenized off the event loop (other streams and /health go on
         meanwhile)."""
         if isinstance(req, ChatCompletionRequest):
-            return [(await self._chat_ids(req.messages, True, req.chat_template_kwargs), None)]
+            return [(await self._chat_ids(req.messages, True, req.chat_template_kwargs,
+                                          req.chat_template), None)]
         out = []
         for prompt in req.prompts:
             if isinstance(prompt, list):
@@ -332,27 +378,21 @@ class OpenAIServer:
                 ids, text = await asyncio.to_thread(self.tokenizer.encode, prompt), prompt
             if not ids:
                 raise RequestError("prompt is empty", "prompt")
-            if any(not 0 <= t < self.client.vocab_size for t in ids):
-                raise RequestError(f"prompt token ids must be in [0, "
-                                   f"{self.client.vocab_size})", "prompt")
+            self._check_ids(ids, "prompt")
             out.append((ids, text))
         return out
 
     async def _chat_ids(self, messages, add_generation_prompt: bool,
-                        template_kwargs: dict | None) -> list[int]:
-        """Chat messages through the tokenizer's template (off the event loop)."""
+                        template_kwargs: dict | None, template: str | None) -> list[int]:
+        """Chat messages through the chat template (off the event loop), within its limits;
+        only the variables it allows (deploy/chat_template.py)."""
         self._need_tokenizer("messages")
         texts = [{"role": m.role, "content": m.text()} for m in messages]
         self._check_chars(sum(len(m["content"]) for m in texts), "messages")
-        try:
-            ids = await asyncio.to_thread(
-                self.tokenizer.apply_chat_template, texts, tokenize=True,
-                add_generation_prompt=add_generation_prompt, return_dict=False,
-                **(template_kwargs or {}))
-        except Exception as e:
-            raise RequestError(f"the chat template rejected the messages: {e}",
-                               "messages") from None
-        return list(ids)
+        ids = await asyncio.to_thread(self.chat.ids, texts, add_generation_prompt,
+                                      template_kwargs, template)
+        self._check_ids(ids, "messages")
+        return ids
 
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
@@ -381,6 +421,26 @@ class OpenAIServer:
                 f"asks for {requested} more; lower {param}", param, "context_length_exceeded")
         return requested
 
+    @staticmethod
+    def _check_response_size(req, prompts: list[list[int]], budgets: list[int]) -> None:
+        """Refuses a request whose response would hold more than MAX_LOGPROB_ENTRIES
+        log-probabilities (each token's and its alternatives', counted at most: every choice
+        running to its max_tokens), before any work is done."""
+        k_out, k_prompt = req.logprob_counts()
+        n, echo = req.num_choices, bool(getattr(req, "echo", False))
+        entries = 0
+        for ids, budget in zip(prompts, budgets, strict=True):
+            if k_prompt is not None:  # once per prompt, however many choices it has
+                entries += len(ids) * (k_prompt + 1)
+            if k_out is not None:
+                entries += n * (budget + (len(ids) if echo else 0)) * (k_out + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            param = "n" if n > 1 else "logprobs" if k_out is not None else "prompt_logprobs"
+            raise RequestError(
+                f"the response could hold {entries} log-probabilities (tokens × (1 + "
+                f"alternatives) × choices); at most {MAX_LOGPROB_ENTRIES}: lower n, max_tokens "
+                f"or the number of alternatives", param)
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.client.model_name:
             raise RequestError(f"the model {model!r} does not exist; this server serves "
@@ -388,40 +448,49 @@ class OpenAIServer:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            req = parse_request(TokenizeRequest, await self._body(request))
+            req = await self._parse(TokenizeRequest, await self._body(request))
             self.check_model(req.model)
             if req.messages is not None:
                 ids = await self._chat_ids(req.messages, req.add_generation_prompt,
-                                           req.chat_template_kwargs)
+                                           req.chat_template_kwargs, req.chat_template)
             else:
                 self._need_tokenizer("prompt")
                 self._check_chars(len(req.prompt), "prompt")
                 ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt,
                                               add_special_tokens=req.add_special_tokens)
+            return JSONResponse({"count": len(ids), "max_model_len": self.client.max_model_len,
+                                 "tokens": list(ids)})
         except Exception as e:
             return self.error("tokenize", e)
-        return JSONResponse({"count": len(ids), "max_model_len": self.client.max_model_len,
-                             "tokens": list(ids)})
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            req = parse_request(DetokenizeRequest, await self._body(request))
+            # a list longer than the context is refused before it is parsed: a comma per id
+            # is counted in a few milliseconds, parsing millions of ids takes seconds
+            context = self.client.max_model_len
+            raw = await self._body(request)
+            if raw.count(b",") >= context:
+                raise RequestError(f"tokens: more ids than the context holds ({context})",
+                                   "tokens")
+            req = await self._parse(DetokenizeRequest, raw)
             self.check_model(req.model)
             self._need_tokenizer("tokens")
-            vocab = self.client.vocab_size
-            if any(not 0 <= t < vocab for t in req.tokens):
-                raise RequestError(f"tokens must be in [0, {vocab})", "tokens")
+            if len(req.tokens) > context:
+                raise RequestError(f"tokens: more ids than the context holds ({context})",
+                                   "tokens")
+            self._check_ids(req.tokens, "tokens")
             text = await asyncio.to_thread(self.tokenizer.decode, req.tokens)
+            return JSONResponse({"prompt": text})
         except Exception as e:
             return self.error("detokenize", e)
-        return JSONResponse({"prompt": text})
 
     async def create(self, request: Request, chat: bool) -> Response:
         endpoint = "chat_completions" if chat else "completions"
         gens: list[_Generation] = []
+        streaming = False  # the response owns the choices from then on
         try:
-            req = parse_request(ChatCompletionRequest if chat else CompletionRequest,
-                                await self._body(request))
+            req = await self._parse(ChatCompletionRequest if chat else CompletionRequest,
+                                    await self._body(request))
             self.check_model(req.model)
             needs_text = [name for name, on in (
                 ("stop", bool(req.stop_strings)), ("logprobs", req.logprob_counts()[0] is not None),
@@ -430,24 +499,36 @@ class OpenAIServer:
             if needs_text:  # token texts: the first field that asks for them names the error
                 self._need_tokenizer(needs_text[0])
             prompts = await self._prompts(req)
+            budgets = [self._max_tokens(req, len(ids)) for ids, _ in prompts]
+            self._check_response_size(req, [ids for ids, _ in prompts], budgets)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             n = req.num_choices
-            for ids, _ in prompts:
-                budget = self._max_tokens(req, len(ids))
+            wanted: list[tuple[EngineRequest, list[int], bool]] = []
+            for (ids, _), budget in zip(prompts, budgets, strict=True):
                 base = req.sampling_params(max(budget, 1), self.defaults)
                 for j in range(n):  # with a seed, choice j samples with seed + j
                     params = base if base.seed is None else \
                         dataclasses.replace(base, seed=base.seed + j)
+                    if j and params.prompt_logprobs is not None:  # the first choice's serve all
+                        params = dataclasses.replace(params, prompt_logprobs=None)
                     engine_id = request_id if len(prompts) * n == 1 else \
-                        f"{request_id}-{len(gens)}"
-                    gens.append(_Generation(self.client, engine_id, ids, params,
-                                            TextStream(self.tokenizer, req.stop_strings),
-                                            RequestTiming(), echo_only=budget == 0))
+                        f"{request_id}-{len(wanted)}"
+                    wanted.append((EngineRequest(engine_id, ids, params, RequestTiming()), ids,
+                                   budget == 0))
+            # every choice admitted at once, or none (429 at once when they do not fit)
+            streams = await _unless_disconnected(request, self.client.generate_many(
+                [w for w, _, _ in wanted]))
+            gens = [_Generation(stream, ids, TextStream(self.tokenizer, req.stop_strings),
+                                w.timing, echo_only=echo_only)
+                    for stream, (w, ids, echo_only) in zip(streams, wanted, strict=True)]
+            for i, g in enumerate(gens):
+                g.prompt_owner = gens[i - i % n]
             await _unless_disconnected(request, self._start(gens))
             echoes = [text for _, text in prompts for _ in range(n)]
             if req.stream:
                 body = self._stream(endpoint, req, request_id, gens, echoes)
-                return _ClosingStream(body, media_type="text/event-stream")
+                streaming = True
+                return _ClosingStream(body, gens, media_type="text/event-stream")
             response = await _unless_disconnected(
                 request, self._complete(req, request_id, gens, echoes))
         except ClientDisconnect:  # the engine requests were aborted; nobody reads a reply
@@ -455,6 +536,9 @@ class OpenAIServer:
             return Response(status_code=499)
         except Exception as e:
             return self.error(endpoint, e)
+        finally:
+            if not streaming:  # also when cancelled: no choice may run on without a reader
+                await _close_all(gens)
         self._observe(endpoint, gens)
         return JSONResponse(response.model_dump(mode="json"))
 
@@ -464,17 +548,12 @@ class OpenAIServer:
         results = await asyncio.gather(*(g.start() for g in gens), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            await asyncio.gather(*(g.close() for g in gens), return_exceptions=True)
+            await _close_all(gens)
             raise failed[0]
+        for g in gens:  # a prompt's log-probabilities come with its first choice only
+            g.prompt_logprobs = g.prompt_owner.prompt_logprobs
 
     # ---- log-probabilities as the API shows them -----------------------------------------
-
-    def _token_text(self, token_id: int) -> str:
-        """A token decoded alone (cached: echo with alternatives decodes thousands)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
 
     @staticmethod
     def _finite(logprob: float) -> float:
@@ -483,23 +562,22 @@ class OpenAIServer:
     def _completion_logprobs(self, ids: list[int], lps: list[TokenLogprob | None],
                              offset: int, num: int) -> CompletionLogprobs:
         """Legacy completions logprobs of tokens `ids` whose text starts at `offset`, with
-        `num` alternatives each (the prompt's may hold more, for prompt_logprobs)."""
-        out = CompletionLogprobs()
+        `num` alternatives each (the prompt's may hold more, for prompt_logprobs), keyed by
+        token name with none lost (deploy/token_text.py)."""
+        out, names = CompletionLogprobs(), self.tokens
         for tok, lp in zip(ids, lps, strict=True):
-            text = self._token_text(tok)
-            out.tokens.append(text)
+            out.tokens.append(names.name(tok))
             out.token_logprobs.append(None if lp is None else self._finite(lp.logprob))
-            out.top_logprobs.append(None if lp is None else {
-                self._token_text(t): self._finite(v) for t, v in lp.top[:num]})
+            out.top_logprobs.append(None if lp is None else names.keyed(
+                (t, self._finite(v)) for t, v in lp.top[:num]))
             out.text_offset.append(offset)
-            offset += len(text)
+            offset += len(names.text(tok))
         return out
 
     def _chat_logprobs(self, ids: list[int], lps: list[TokenLogprob]) -> ChatLogprobs:
         def entry(tok: int, logprob: float) -> dict:
-            text = self._token_text(tok)
-            return {"token": text, "logprob": self._finite(logprob),
-                    "bytes": list(text.encode("utf-8"))}
+            return {"token": self.tokens.name(tok), "logprob": self._finite(logprob),
+                    "bytes": self.tokens.bytes(tok)}
 
         return ChatLogprobs(content=[
             ChatTokenLogprob(**entry(tok, lp.logprob),
@@ -510,12 +588,13 @@ class OpenAIServer:
         """vLLM's prompt_logprobs: per prompt token after the first, {id: {logprob, rank,
         decoded_token}} for the token itself and the `num` most likely."""
         out: list[dict | None] = [None]
+        name = self.tokens.name
         for tok, lp in zip(gen.prompt_ids[1:], (gen.prompt_logprobs or [None])[1:], strict=True):
             entries = {str(t): PromptLogprob(logprob=self._finite(v), rank=r,
-                                             decoded_token=self._token_text(t))
+                                             decoded_token=name(t))
                        for r, (t, v) in enumerate(lp.top[:num], start=1)}
             entries[str(tok)] = PromptLogprob(logprob=self._finite(lp.logprob), rank=lp.rank,
-                                              decoded_token=self._token_text(tok))
+                                              decoded_token=name(tok))
             out.append(entries)
         return out
 
@@ -566,7 +645,8 @@ class OpenAIServer:
                 prompt_token_ids=g.prompt_ids if tokens and not single_prompt else None,
                 logprobs=self._completion_logprobs(lp_ids, lps, 0, req.logprobs)
                 if wants_logprobs else None,
-                prompt_logprobs=None if prompt_k is None
+                # once per prompt: on its first choice (the others would repeat it n times)
+                prompt_logprobs=None if prompt_k is None or i % req.num_choices
                 else self._prompt_logprobs(g, prompt_k)))
         return CompletionResponse(**common, choices=choices)
 
@@ -596,7 +676,7 @@ class OpenAIServer:
                 logprobs = None
                 if wants_logprobs and ids:
                     logprobs = self._completion_logprobs(ids, lps, offsets[i], req.logprobs)
-                    offsets[i] += sum(map(len, logprobs.tokens))
+                    offsets[i] += sum(len(self.tokens.text(t)) for t in ids)
                 body = CompletionResponse(id=request_id, created=created, model=model,
                                           **first_ids, choices=[CompletionChoice(
                                               index=i, text=text, finish_reason=finish,
@@ -642,16 +722,47 @@ class ApiOptions:
     """Access to the API: `api_key` (None: open) is required as a Bearer token on every route
     but /health and /version (load balancers and probes); CORS as in vLLM's flags, every
     origin allowed by default (a browser cannot send the key to another origin unless listed
-    here, or with "*")."""
+    here, or with "*"); `trust_request_chat_template`: requests may bring their own chat
+    template (vLLM's --trust-request-chat-template; the server's only, by default)."""
 
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    trust_request_chat_template: bool = False
 
 
 OPEN_PATHS = ("/health", "/version")
+
+
+def key_matches(authorization: str, key: str) -> bool:
+    """An Authorization header against the API key: the scheme is case-insensitive (RFC 9110),
+    the credentials compared in constant time."""
+    scheme, _, credentials = authorization.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        credentials.strip().encode(), key.encode())
+
+
+class _RequireKey:
+    """ASGI middleware: the API key on every route but OPEN_PATHS and CORS preflights. Plain
+    ASGI (not Starlette's BaseHTTPMiddleware), so a stream's disconnects and cancellation
+    reach the handler unchanged."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and scope["path"] not in OPEN_PATHS):
+            headers = {k.lower(): v for k, v in scope["headers"]}
+            got = headers.get(b"authorization", b"").decode("latin-1")
+            if not key_matches(got, self.key):
+                err = RequestError("invalid or missing API key: send Authorization: Bearer "
+                                   "<key>", None, "invalid_api_key", 401)
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
@@ -670,27 +781,24 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
 
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServingMetrics(client.snapshot, client.model_name)
-    server = OpenAIServer(client, tokenizer, metrics, max_request_bytes, defaults)
+    server = OpenAIServer(client, tokenizer, metrics, max_request_bytes, defaults,
+                          options.trust_request_chat_template)
     app.state.metrics, app.state.server = metrics, server
+    created = int(time.time())  # the model's, as /v1/models shows it: when this server started
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = RequestError(str(exc.detail), None, None, exc.status_code)
         return JSONResponse(err.body(), status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """What no handler caught: OpenAI's error JSON, never a plain-text 500."""
+        err = as_request_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
     if options.api_key is not None:
-        want = f"Bearer {options.api_key}".encode()
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            if request.method != "OPTIONS" and request.url.path not in OPEN_PATHS:
-                got = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(got, want):
-                    err = RequestError("invalid or missing API key: send Authorization: "
-                                       "Bearer <key>", None, "invalid_api_key", 401)
-                    return JSONResponse(err.body(), status_code=401)
-            return await call_next(request)
-
+        app.add_middleware(_RequireKey, key=options.api_key)
     # Outermost: preflights are answered before the key check, and errors carry the headers.
     app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                        allow_methods=list(options.allowed_methods),
@@ -698,13 +806,14 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
                        allow_credentials=options.allow_credentials)
 
     def card() -> ModelCard:
-        return ModelCard(id=client.model_name, max_model_len=client.max_model_len)
+        return ModelCard(id=client.model_name, max_model_len=client.max_model_len,
+                         created=created)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
         return ModelList(data=[card()]).model_dump(mode="json")
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str) -> Response:
         try:
             server.check_model(model_id)
@@ -720,7 +829,7 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
     async def detokenize(request: Request) -> Response:
         return await server.detokenize(request)
 
-    @app.get("/tokenizer_info")
+    @app.api_route("/tokenizer_info", methods=["GET", "HEAD"])
     async def tokenizer_info() -> Response:
         """vLLM's: what a client needs to tokenize as the server does through /tokenize and
         /detokenize (lm-eval's remote tokenizer): special tokens and the chat template."""
@@ -734,7 +843,7 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
             "chat_template": tokenizer.chat_template,
             "model_max_length": client.max_model_len, "vocab_size": client.vocab_size})
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> dict:
         return {"version": __version__}
 
@@ -746,7 +855,7 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
     async def chat_completions(request: Request) -> Response:
         return await server.create(request, chat=True)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         try:
             await client.check_health()
@@ -756,7 +865,7 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
             return JSONResponse(err.body(), status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus() -> Response:
         with suppress(Exception):  # a dead engine still has request metrics worth scraping
             await client.refresh()

@@ -136,6 +136,10 @@ class _SamplingRequest(BaseModel):
     def check(self) -> None:
         if not 1 <= self.num_choices <= MAX_CHOICES:
             raise RequestError(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
+        if self.seed is not None and self.seed + self.num_choices - 1 >= 2**63:
+            # choice j samples with seed + j: past 2^63 - 1 it would wrap onto another seed's
+            raise RequestError(f"seed + n - 1 must be below 2^63 (choice j samples with seed + "
+                               f"j), got seed {self.seed} with n={self.num_choices}", "seed")
         if self.best_of not in (None, 1, self.n):
             raise RequestError(f"best_of must equal n (no candidates are ranked), got "
                                f"{self.best_of}", "best_of")
@@ -249,22 +253,12 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-# Arguments the server itself passes to the chat template; chat_template_kwargs may not set them.
-TEMPLATE_RESERVED = ("conversation", "messages", "tokenize", "return_dict",
-                     "add_generation_prompt", "continue_final_message")
-
-
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
-    for key in kwargs or {}:
-        if key in TEMPLATE_RESERVED:
-            raise RequestError(f"chat_template_kwargs may not set {key!r} (the server sets it)",
-                               f"chat_template_kwargs.{key}")
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    # extra variables for the chat template (vLLM's; e.g. Qwen3.5's {"enable_thinking": false})
+    # extra variables for the chat template (vLLM's; e.g. Qwen3.5's {"enable_thinking": false});
+    # an allow-list (deploy/chat_template.py)
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # only with trust_request_chat_template (vLLM's)
     max_tokens: int | None = None  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = None  # wins over max_tokens; None → rest of context
     logprobs: bool | None = False  # each output token's log-probability
@@ -272,7 +266,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         super().check()
-        check_template_kwargs(self.chat_template_kwargs)
         _check_logprobs(self.top_logprobs, "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -301,11 +294,11 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True  # prompt: the tokenizer's BOS/EOS rules
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
     chat_template_kwargs: dict[str, Any] | None = None  # messages: as in chat completions
+    chat_template: str | None = None  # messages: as in chat completions
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("give exactly one of prompt and messages", "prompt")
-        check_template_kwargs(self.chat_template_kwargs)
 
 
 class DetokenizeRequest(BaseModel):
@@ -328,9 +321,27 @@ def _union_tag(part: str | int) -> bool:
                                       or "[" in part or part.startswith("function-"))
 
 
+class HugeInteger:
+    """A JSON integer of more digits than Python parses (sys.get_int_max_str_digits): kept as
+    a value no field accepts, so that validation names the field it was sent in."""
+
+    def __init__(self, digits: str):
+        self.num_digits = len(digits.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.num_digits} digits"
+
+
+def _parse_int(digits: str) -> int | HugeInteger:
+    try:
+        return int(digits)
+    except ValueError:  # past the interpreter's digit limit
+        return HugeInteger(digits)
+
+
 def parse_request(model: type[BaseModel], raw: bytes) -> Any:
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_int=_parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}", code="invalid_json") \
             from None
@@ -353,7 +364,9 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
         # the field's path without a union's member tags (str, list[int], function-…)
         path = ".".join(str(p) for p in err["loc"] if not _union_tag(p))
         param = path or None
-        raise RequestError(f"{path}: {err['msg']}" if path else err["msg"], param) from None
+        msg = err["msg"] if not isinstance(err.get("input"), HugeInteger) else \
+            f"{err['input']!r} is out of range"
+        raise RequestError(f"{path}: {msg}" if path else msg, param) from None
     req.check()
     return req
 

@@ -16,7 +16,7 @@ from live_server import DEMO_MODEL, scrape_metrics, wait_until_idle
 from configs.engine import SamplingParams
 from deploy import openai_api
 from deploy.detokenizer import TextStream
-from deploy.engine_client import EngineDeadError
+from deploy.engine_client import EngineDeadError, EngineOverloaded
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 MODEL = DEMO_MODEL  # the conftest's `server` serves it
@@ -354,7 +354,10 @@ def test_bad_inputs_return_openai_errors_and_the_server_keeps_serving(server, oa
 
 
 def test_overload_is_429_and_unexpected_errors_are_500(server, oai, monkeypatch):
-    monkeypatch.setattr(server["client"], "max_waiting", 0)
+    def full(requests):
+        raise EngineOverloaded("3 requests are already waiting; retry later")
+
+    monkeypatch.setattr(server["client"], "submit_many", full)
     with pytest.raises(openai.RateLimitError) as e:
         oai.completions.create(model=MODEL, prompt="hi", max_tokens=4)
     assert e.value.status_code == 429 and e.value.body["code"] == "engine_overloaded"
@@ -486,15 +489,27 @@ class _EndlessClient:
     def snapshot(self):  # (read only by /metrics)
         raise EngineDeadError("no engine")
 
-    async def generate(self, request_id, prompt_ids, params, timing=None):
+    async def generate_many(self, requests):
+        return [_EndlessStream(self, r) for r in requests]
+
+
+class _EndlessStream:
+    def __init__(self, client: _EndlessClient, request):
+        self.client, self.request = client, request
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
         from cluster.engine import RequestOutput
 
-        try:
-            while True:
-                await asyncio.sleep(0)
-                yield RequestOutput(request_id, list(prompt_ids), [7], [], False, None, [])
-        finally:
-            self.closed.append(request_id)
+        await asyncio.sleep(0)
+        r = self.request
+        return RequestOutput(r.request_id, list(r.prompt_ids), [7], [], False, None, [])
+
+    async def aclose(self) -> None:
+        if self.request.request_id not in self.client.closed:
+            self.client.closed.append(self.request.request_id)
 
 
 @pytest.mark.parametrize("leaves", ["send_fails", "cancelled"])

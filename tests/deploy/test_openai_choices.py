@@ -38,7 +38,25 @@ def sse(server, path: str, body: dict) -> list[dict]:
     return [json.loads(line) for line in lines[:-1]]
 
 
+def bytes_of(server, token_id: int) -> bytes:
+    """A token's own bytes (the demo tokenizer is byte-level BPE: GPT-2's byte table)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = server["tokenizer"]
+    if token_id in tok.added_tokens_decoder:
+        return tok.decode([token_id]).encode()
+    table = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(table[c] for c in tok.convert_ids_to_tokens(token_id))
+
+
 def text_of(server, token_id: int) -> str:
+    """How the API names a token: its text, or (part of a UTF-8 character) its bytes as
+    \\xNN escapes, as OpenAI does."""
+    raw = bytes_of(server, token_id)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "".join(f"\\x{b:02x}" for b in raw)
     return server["tokenizer"].decode([token_id])
 
 
@@ -53,10 +71,10 @@ def test_completion_logprobs_are_the_targets(server, oai):
     assert lp.token_logprobs == pytest.approx([x.logprob for x in want.new_logprobs], abs=TOL)
     for alts, x in zip(lp.top_logprobs, want.new_logprobs, strict=True):
         assert alts == pytest.approx({text_of(server, t): v for t, v in x.top}, abs=TOL)
-    # offsets into the returned text, token after token
+    # offsets into the returned text, token after token (a token's decoded length)
     assert lp.text_offset[0] == 0
-    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:],
-                                                  lp.tokens, strict=False))
+    assert all(b - a == len(tok.decode([t])) for a, b, t in zip(
+        lp.text_offset, lp.text_offset[1:], want.output_ids, strict=False))
     assert got.choices[0].text == tok.decode(want.output_ids, skip_special_tokens=True)
 
 
@@ -136,9 +154,13 @@ def test_chat_logprobs_with_alternatives(server, oai):
     assert [c.token for c in content] == [text_of(server, t) for t in want.output_ids]
     assert [c.logprob for c in content] == pytest.approx(
         [x.logprob for x in want.new_logprobs], abs=TOL)
-    for c, x in zip(content, want.new_logprobs, strict=True):
+    for c, tok_id, x in zip(content, want.output_ids, want.new_logprobs, strict=True):
         assert [a.token for a in c.top_logprobs] == [text_of(server, t) for t, _ in x.top]
-        assert c.bytes == list(c.token.encode("utf-8"))
+        assert c.bytes == list(bytes_of(server, tok_id))  # the token's own, not its name's
+        assert [a.bytes for a in c.top_logprobs] == [list(bytes_of(server, t)) for t, _ in x.top]
+    # the tokens' bytes make up the text
+    text = b"".join(bytes(c.bytes) for c in content).decode(errors="replace")
+    assert text == tok.decode(want.output_ids)
     plain = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
                                         temperature=0)
     assert plain.choices[0].logprobs is None
@@ -172,18 +194,16 @@ def test_streams_carry_logprobs_per_chunk_and_choice(server):
     assert len(tokens) == 5
 
 
-def test_more_choices_than_the_queue_takes_is_a_429_and_nothing_runs_on(server, monkeypatch):
-    """n = 30 against a queue of 10: the request is refused whole (429), the choices already
-    queued are aborted, and the engine returns to idle and serves the next request."""
+def test_more_choices_than_the_queue_takes_are_served_when_nothing_waits(server, monkeypatch):
+    """n = 30 against a queue of 10 while nothing else waits: the choices are admitted
+    together and served (a request that cannot fit beside others is refused whole, at once:
+    tests/deploy/test_engine_client.py)."""
     monkeypatch.setattr(server["client"], "max_waiting", 10)
-    r = httpx.post(server["url"] + "/v1/completions", json={
-        "model": MODEL, "prompt": "hi", "n": 30, "max_tokens": 50, "ignore_eos": True},
-        timeout=60)
-    assert r.status_code == 429 and r.json()["error"]["code"] == "engine_overloaded"
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 30,
+                                         "max_tokens": 5, "ignore_eos": True})
+    assert [c["index"] for c in r["choices"]] == list(range(30))
+    assert all(c["finish_reason"] == "length" for c in r["choices"])
     wait_until_idle(server["url"], 30)
-    ok = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 3,
-                                          "max_tokens": 4})
-    assert [c["index"] for c in ok["choices"]] == [0, 1, 2]
 
 
 def test_vllm_prompt_logprobs(server):
@@ -221,3 +241,13 @@ def test_vllm_prompt_logprobs(server):
     r = httpx.post(server["url"] + "/v1/completions", json={
         "model": MODEL, "prompt": prompt, "prompt_logprobs": 1, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_twenty_alternatives_are_twenty_keys(server, oai):
+    """Legacy completions key alternatives by token name: tokens that hold part of a UTF-8
+    character (which decode alike, to U+FFFD) are named by their bytes, so none is lost."""
+    got = oai.completions.create(model=MODEL, prompt="naïve café", max_tokens=16,
+                                 temperature=0, logprobs=20, extra_body={"ignore_eos": True})
+    tops = got.choices[0].logprobs.top_logprobs
+    assert len(tops) == 16 and all(len(alts) == 20 for alts in tops)
+    assert any("\\x" in name for alts in tops for name in alts)  # the demo's vocabulary has some
