@@ -89,9 +89,14 @@ class EngineDriver:
         return True
 
     async def abort(self, request_id: str) -> None:
-        """Also for a request whose add has not run yet (Ray may run the two in either
-        order): its add then ends it at once."""
+        """Returns once the engine has dropped the request. Also for a request whose add has
+        not run yet (Ray may run the two in either order): its add then ends it at once."""
         await self.client.abort(request_id)
+
+    def abort_many(self, request_ids: list[str]) -> None:
+        """Queues the aborts (as `abort`, without waiting for them)."""
+        for request_id in request_ids:
+            self.client.cancel(request_id)
 
     def _wake_stream(self) -> None:  # the engine thread, after each step's outputs
         try:

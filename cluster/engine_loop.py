@@ -134,6 +134,7 @@ class LocalEngineClient:
         self._unhealthy: str | None = None
         self._requests: dict[str, _Request] = {}  # engine thread only
         self._early_aborts: OrderedDict[str, None] = OrderedDict()  # engine thread only
+        self._finished: dict[str, int] = {}  # engine thread only: ended requests, by how
         self._publish()
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
         self._thread.start()
@@ -428,6 +429,8 @@ class LocalEngineClient:
                 if out.finished:
                     req.timing.finished = now
             req.last = out
+            if out.finished:
+                self._count_end(out)
             self._left_waiting(req)
             # a request that failed alone in the step (finish reason "error") gets its error
             item = request_failed(out.request_id, out.error) if out.finish_reason == "error" \
@@ -439,10 +442,16 @@ class LocalEngineClient:
             self.after_step()
 
     def _end(self, req: _Request, item: RequestOutput | Exception) -> None:
+        self._count_end(item)
         self._left_waiting(req)
         req.deliver(item)
         if self.after_step is not None:
             self.after_step()
+
+    def _count_end(self, item: RequestOutput | Exception) -> None:
+        how = item.finish_reason if isinstance(item, RequestOutput) else "error"
+        how = how if how in ("stop", "length", "abort") else "error"
+        self._finished[how] = self._finished.get(how, 0) + 1
 
     def _left_waiting(self, req: _Request) -> None:
         if req.waiting:
@@ -515,4 +524,5 @@ class LocalEngineClient:
             cache_usage=self.engine.blocks.usage, acceptance=_copy_stats(self.engine.stats),
             draft_time_per_round=(self.engine.draft_time.snapshot()
                                   if self.engine.has_draft else None),
-            verify_time_per_round=self.engine.verify_time.snapshot())
+            verify_time_per_round=self.engine.verify_time.snapshot(),
+            finished=dict(self._finished))

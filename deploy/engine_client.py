@@ -35,7 +35,8 @@ class EngineClient(Protocol):
         """Admits the requests together (an API request's choices): all of them, or none
         (EngineOverloaded, EngineDraining, EngineDeadError at once). A stream for each, in
         order, which the caller must close (closing one before its end aborts the request).
-        A bad request's ValueError, or EngineStepError, comes through its stream."""
+        A bad request's ValueError, or EngineStepError, comes through its stream. Cancelled
+        while it runs, it leaves nothing running: what it admitted is aborted."""
         ...
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,

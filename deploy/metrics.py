@@ -99,6 +99,13 @@ class _EngineCollector:
                    "Sequences waiting for admission", m, s.waiting)
         yield _one(GaugeMetricFamily, "dflash_kv_cache_usage_ratio",
                    "Fraction of KV pages held (0..1)", m, s.cache_usage)
+        ended = CounterMetricFamily(
+            "dflash_engine_requests_finished", "Requests the engine ended, by how: stop, length, "
+            "abort (the client left, or met a stop string), error", labels=["model_name",
+                                                                            "finish_reason"])
+        for how in ("stop", "length", "abort", "error"):
+            ended.add_metric([m, how], s.finished.get(how, 0))
+        yield ended
         acc = s.acceptance
         yield _one(CounterMetricFamily, "dflash_spec_decode_num_drafts",
                    "Draft proposals verified (one per sequence per round)", m, acc.rounds)

@@ -515,9 +515,10 @@ class OpenAIServer:
                         f"{request_id}-{len(wanted)}"
                     wanted.append((EngineRequest(engine_id, ids, params, RequestTiming()), ids,
                                    budget == 0))
-            # every choice admitted at once, or none (429 at once when they do not fit)
-            streams = await _unless_disconnected(request, self.client.generate_many(
-                [w for w, _, _ in wanted]))
+            # Every choice admitted at once, or none (429 at once when they do not fit). Not
+            # under _unless_disconnected: its streams would be lost with a disconnect that
+            # came as they were returned; a cancellation while it runs aborts them itself.
+            streams = await self.client.generate_many([w for w, _, _ in wanted])
             gens = [_Generation(stream, ids, TextStream(self.tokenizer, req.stop_strings),
                                 w.timing, echo_only=echo_only)
                     for stream, (w, ids, echo_only) in zip(streams, wanted, strict=True)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -42,6 +43,8 @@ from cluster.ray_executor import (
     separate_draft,
 )
 from configs.engine import EngineConfig, SamplingParams
+
+log = logging.getLogger(__name__)
 
 DRIVER_NAME_PREFIX = "dflash-driver-"  # named, so operators can find it: ray list actors
 # Serve's replica health check (check_alive): generous, so a busy driver is never replaced.
@@ -128,6 +131,15 @@ class RayEngineClient:
         self._closing = False
         self.driver_restarts = 0
         self._lost: EngineDeadError | None = None  # why the watchdog cut the stream
+        # Adds and aborts go to the driver from tasks of this client's own, never from a
+        # request's: Ray cancels the calls a request's task made when Serve cancels it (its
+        # client left), and an abort sent then would be cancelled with it.
+        self._aborts: asyncio.Queue[str | list[str]] = asyncio.Queue()
+        self._admissions: asyncio.Queue[tuple[list[EngineRequest], asyncio.Future]] = \
+            asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
+        self._abort_sender = asyncio.create_task(self._send_aborts())
+        self._admitter = asyncio.create_task(self._admit_all())
         self._reader = asyncio.create_task(self._read_stream())
         self._watchdog = asyncio.create_task(self._watch_driver())
 
@@ -251,19 +263,47 @@ class RayEngineClient:
                 raise ValueError(f"request id {request_id!r} is already in use")
         queues = {request_id: asyncio.Queue() for request_id in ids}
         self._queues.update(queues)
-        added = self.driver.add_many.remote(
-            [(r.request_id, list(r.prompt_ids), r.params) for r in requests])
+        admitted = asyncio.get_running_loop().create_future()
+        self._admissions.put_nowait((requests, admitted))
         try:
-            await added
-        except asyncio.CancelledError:  # the add may still run: abort its requests after it
-            asyncio.ensure_future(self._abort_after(added, ids))
-            raise
-        except Exception as e:
+            await admitted
+        except BaseException:  # refused, or the caller left
             for request_id in ids:
                 self._queues.pop(request_id, None)
-            raise _unwrap(e) from None
+            if admitted.done() and not admitted.cancelled() and admitted.exception() is None:
+                # added, but the caller was cancelled as the answer came: undo the add (one
+                # that lands after the caller left, _admit undoes)
+                self._aborts.put_nowait(ids)
+            raise
         return [RequestStream(r.request_id, queues[r.request_id], self._stream_end, r.timing)
                 for r in requests]
+
+    async def _admit_all(self) -> None:
+        """Sends each admission to the driver from a task of this client's own (see
+        `_aborts`): a caller that leaves cancels only its wait, never the add."""
+        while True:
+            requests, admitted = await self._admissions.get()
+            if not admitted.cancelled():
+                self._keep(self._admit(requests, admitted))
+
+    async def _admit(self, requests: list[EngineRequest], admitted: asyncio.Future) -> None:
+        try:
+            await self.driver.add_many.remote(
+                [(r.request_id, list(r.prompt_ids), r.params) for r in requests])
+        except Exception as e:
+            if not admitted.done():
+                admitted.set_exception(_unwrap(e))
+            return
+        if admitted.cancelled():  # its caller left while the driver added them
+            self._aborts.put_nowait([r.request_id for r in requests])
+        else:
+            admitted.set_result(None)
+
+    def _keep(self, coro) -> None:
+        """`coro` as a task held until it ends (the loop holds tasks only weakly)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  timing: RequestTiming | None = None) -> AsyncIterator[RequestOutput]:
@@ -272,13 +312,22 @@ class RayEngineClient:
     def _stream_end(self, request_id: str, early: bool) -> None:
         self._queues.pop(request_id, None)
         if early and self._dead is None:  # the consumer left early: stop its work
-            self.driver.abort.remote(request_id)
+            self._aborts.put_nowait(request_id)
 
-    async def _abort_after(self, added, request_ids: list[str]) -> None:
-        with contextlib.suppress(Exception):
-            await added
-        for request_id in request_ids:
-            self._stream_end(request_id, early=True)
+    async def _send_aborts(self) -> None:
+        """Sends the aborts queued, a batch per call. An abort that overtakes its add (Ray
+        does not order an async actor's calls) is kept by the driver, which ends the add when
+        it comes."""
+        while True:
+            first = await self._aborts.get()
+            ids = list(first) if isinstance(first, list) else [first]
+            while not self._aborts.empty():
+                more = self._aborts.get_nowait()
+                ids += more if isinstance(more, list) else [more]
+            try:
+                await self.driver.abort_many.remote(ids)
+            except Exception as e:  # a dead driver: its requests went with it
+                log.debug("aborting %d requests failed: %s", len(ids), e)
 
     async def abort(self, request_id: str) -> None:
         try:
@@ -323,7 +372,8 @@ class RayEngineClient:
         self._closing = True
         if self._respawning is not None:
             self._respawning.cancel()
-        self._watchdog.cancel()
+        for task in (self._watchdog, self._abort_sender, self._admitter, *self._tasks):
+            task.cancel()
         self._reader.cancel()
         try:
             await asyncio.wait_for(self.driver.shutdown.remote(), 60)

@@ -7,7 +7,11 @@ clearly and the engine recovers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -232,6 +236,65 @@ def test_bad_input_is_4xx_and_the_server_keeps_serving(app, oai, body, status, c
     assert oai.completions.create(model=MODEL, prompt="ok", max_tokens=3).usage.total_tokens
 
 
+def test_a_requests_choices_are_admitted_together_or_refused_at_once(app):
+    """Three requests of n = 20 at once against a queue of 16: each is served whole or
+    refused (429) before any choice of it waited, so every refusal comes back while the
+    served requests still run."""
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, float]:
+        r = await client.post(f"{app['url']}/v1/completions", json={
+            "model": MODEL, "prompt": f"many {i}", "n": 20, "max_tokens": 40,
+            "ignore_eos": True})
+        if r.status_code == 200:
+            assert len(r.json()["choices"]) == 20
+        else:
+            assert r.json()["error"]["code"] == "engine_overloaded", r.text
+        return r.status_code, time.monotonic()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(3)))
+
+    results = asyncio.run(run())
+    assert {status for status, _ in results} <= {200, 429}
+    served = [at for status, at in results if status == 200]
+    refused = [at for status, at in results if status == 429]
+    assert served and refused
+    assert max(refused) < min(served)
+    wait_idle(app)
+
+
+ENDED_BY_LENGTH = ("dflash_engine_requests_finished_total", (("finish_reason", "length"),))
+
+
+def test_clients_that_leave_at_any_moment_leave_nothing_running(app):
+    """40 requests at once (streamed or not, n 1 or 4), each abandoned by its client at a
+    random moment in its first 1.5 s (queued, prefilling, decoding): the engine aborts every
+    one of them, none runs on to its 1,000 tokens, and the engine returns to idle."""
+    import random
+
+    rng = random.Random(3)
+    wait_idle(app)
+    by_length = metrics(app).get(ENDED_BY_LENGTH, 0)
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": MODEL, "prompt": f"leaving {i}", "max_tokens": 1000,
+                "ignore_eos": True, "stream": rng.random() < 0.5, "n": rng.choice([1, 1, 4])}
+        task = asyncio.create_task(client.post(f"{app['url']}/v1/completions", json=body))
+        await asyncio.sleep(rng.uniform(0.0, 1.5))
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=100)) \
+                as client:
+            await asyncio.gather(*(one(client, i) for i in range(40)))
+
+    asyncio.run(run())
+    m = wait_idle(app)
+    assert m.get(ENDED_BY_LENGTH, 0) == by_length  # every one was aborted, none ran out
+
+
 def test_too_many_requests_is_429(app):
     # 16 run, 16 may wait (max_waiting); beyond that the engine refuses with 429.
     async def one(aoai, i: int):
@@ -316,3 +379,63 @@ def test_dead_draft_is_found_by_the_health_probe(app, oai):
         time.sleep(0.2)
     wait_healthy(app)
     assert oai.completions.create(model=MODEL, prompt="ok", max_tokens=5).usage.total_tokens
+
+
+def test_a_frozen_worker_fails_its_requests_and_the_engine_recovers(app, oai):
+    """A TP worker stopped (SIGSTOP) mid-stream: its step is overdue, the probe finds the
+    worker silent, /health says 503 meanwhile, the stream ends with a clear error, the engine
+    restarts its actors (the frozen one killed) and the next request is exact."""
+    driver = driver_handle()
+    restarts = ray.get(driver.restarts.remote())
+    worker = ray.get(driver.actors.remote())["workers"][1]
+    pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
+    stream = oai.completions.create(model=MODEL, prompt="frozen", max_tokens=900, stream=True,
+                                    extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)
+    seen, stop = [], threading.Event()
+
+    def poll_health() -> None:
+        while not stop.is_set():
+            r = httpx.get(f"{app['url']}/health", timeout=30)
+            seen.append((r.status_code, r.json().get("error", {}).get("message", "")))
+            time.sleep(0.2)
+
+    poller = threading.Thread(target=poll_health)
+    os.kill(pid, signal.SIGSTOP)
+    poller.start()
+    try:
+        with pytest.raises(openai.APIError) as e:
+            for _ in it:
+                pass
+        assert e.value.body["code"] == "engine_step_failed"
+        assert "did not answer" in e.value.message
+        wait_healthy(app)
+    finally:
+        stop.set()
+        poller.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert any(status == 503 for status, _ in seen), seen
+    assert ray.get(driver.restarts.remote()) == restarts + 1
+    r = oai.completions.create(model=MODEL, prompt="after the freeze", max_tokens=20,
+                               **GREEDY, extra_body={"ignore_eos": True,
+                                                     "return_token_ids": True})
+    (want,) = target_only(app, [r.model_extra["prompt_token_ids"]], [20])
+    assert r.choices[0].model_extra["token_ids"] == want
+    wait_idle(app)
+
+
+def test_health_answers_503_while_the_driver_is_frozen(app, oai):
+    """The driver stopped (SIGSTOP): /health answers 503 (the replica does not wait on the
+    driver past its own bound) instead of hanging; once it runs again, all is well."""
+    driver = driver_handle()
+    pid = ray.get(driver.__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = httpx.get(f"{app['url']}/health", timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert r.status_code == 503 and "did not answer" in r.json()["error"]["message"]
+    wait_healthy(app)
+    assert oai.completions.create(model=MODEL, prompt="ok", max_tokens=3).usage.total_tokens
