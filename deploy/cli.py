@@ -229,15 +229,96 @@ def serve_args(args: argparse.Namespace):
     return ServeArgs(**values)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ValueError if something listens on host:port already. Ray Serve's proxy binds with
+    SO_REUSEPORT, so a second server on a port in use would start and split its requests with
+    the first; a bind without it fails while any other socket listens there."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve: {e}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ValueError(f"port {port} on {host} is in use ({e.strerror}): another server "
+                             f"listens there; stop it or pick another --port") from None
+
+
+class NodeWatch:
+    """Whether the Ray node this command serves from is still there. With the Ray it started,
+    its raylet and GCS processes are watched directly (a death is seen within a poll); joined
+    to a cluster (--address), the GCS's view of this node is asked every `every_s`."""
+
+    def __init__(self, started_here: bool, every_s: float = 5.0):
+        import ray
+
+        self.started_here, self.every_s = started_here, every_s
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._next = 0.0
+
+    def lost(self) -> str | None:
+        """Why the node is gone, or None while it is there."""
+        import ray
+
+        if self.started_here:
+            from ray._private import ray_constants
+            from ray._private.worker import _global_node as node
+
+            vital = (ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_GCS_SERVER)
+            for kind, proc in node.dead_processes() if node is not None else ():
+                if kind in vital:
+                    return f"Ray's {kind} exited (code {proc.poll()})"
+            return None
+        if time.monotonic() < self._next:
+            return None
+        self._next = time.monotonic() + self.every_s
+        try:
+            alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+        except Exception as e:  # the GCS itself is gone
+            return f"the Ray cluster does not answer ({type(e).__name__}: {e})"
+        if not alive.get(self.node_id, False):
+            return f"the Ray cluster reports this node ({self.node_id[:12]}) dead"
+        return None
+
+
+# The Ray that `serve` starts itself serves this machine alone: with this variable at 0 its
+# node address is 127.0.0.1, so everything it listens on (the dashboard, Ray's and the
+# autoscaler's metrics exports, its gRPC ports, the TP rendezvous) is on loopback; only
+# Serve's HTTP proxy listens where --host says. (Ray's variable of this name allows clusters
+# on macOS and Windows; at 0 it makes a single-machine Ray anywhere.)
+LOCAL_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def local_only_ray() -> None:
+    """For the Ray this process is about to start, and the processes it starts."""
+    os.environ[LOCAL_RAY_ENV] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # imported already, so it read the variable before
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def serve_forever(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from deploy.app import build_deployment
+    from deploy.process_tree import become_subreaper, end_descendants
+    from deploy.proxy_auth import proxy_env
 
     sargs = serve_args(args)
+    check_port_free(args.host, args.port)  # before anything slow: fail at once
+    started_here = not args.address
+    if started_here:
+        local_only_ray()  # before Ray is imported
+
+    from deploy.app import build_deployment
+
     device = sargs.device
-    if not args.address:  # the replicas run here: hub ids downloaded once, before Ray starts
+    if started_here:  # the replicas run here: hub ids downloaded once, before Ray starts
         sargs.model_dirs()
     app = build_deployment(sargs, num_replicas=args.num_replicas)  # ValueError: bad args
 
@@ -246,6 +327,11 @@ def serve_forever(args: argparse.Namespace) -> int:
 
     from deploy.ray_client import drain_engines
 
+    if started_here:
+        # Ray's processes orphaned by a dying raylet come back to this process, which ends
+        # them; the proxies of the Ray started here ask for the API key on their own routes.
+        become_subreaper()
+        os.environ.update(proxy_env(sargs.api_key))
     _init_ray(args.address, args.tp, args.metrics_export_port)
     stop, force = threading.Event(), threading.Event()
 
@@ -254,11 +340,13 @@ def serve_forever(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
         signal.signal(sig, on_signal)
+    lost = None
     try:
         level = "DEBUG" if args.uvicorn_log_level == "trace" else args.uvicorn_log_level.upper()
         serve.start(http_options={"host": args.host, "port": args.port},
                     logging_config={"log_level": level})
         serve.run(app, name="dflash", route_prefix="/")
+        node = NodeWatch(started_here)
         base = f"http://{args.host}:{args.port}"
         auth = "-H \"Authorization: Bearer $" + API_KEY_ENV + "\" " if args.api_key else ""
         print(f"dflash-serve: serving {sargs.model_name!r} (tp {args.tp}, {device}) at {base}\n"
@@ -269,17 +357,30 @@ def serve_forever(args: argparse.Namespace) -> int:
               f"Ray cluster at {ray.get_runtime_context().gcs_address} (ray list actors "
               f"--address …)\nstop with Ctrl-C", flush=True)
         while not stop.wait(1.0):
-            pass
-        print(f"dflash-serve: shutting down: draining the requests in flight (up to "
-              f"{args.shutdown_grace_s:g} s; a second Ctrl-C stops at once)", flush=True)
-        drained = drain_engines(args.shutdown_grace_s, force)
-        time.sleep(DRAIN_SETTLE_S)  # the streams' last bytes: replica → proxy → client
-        print(f"dflash-serve: drained: {json.dumps(drained)}", flush=True)
+            lost = node.lost()
+            if lost is not None:
+                break
+        if lost is not None:
+            print(f"dflash-serve: error: the Ray node this server runs on is gone: {lost}; "
+                  f"stopping (no drain: the requests in flight are lost with it)",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"dflash-serve: shutting down: draining the requests in flight (up to "
+                  f"{args.shutdown_grace_s:g} s; a second Ctrl-C stops at once)", flush=True)
+            drained = drain_engines(args.shutdown_grace_s, force)
+            time.sleep(DRAIN_SETTLE_S)  # the streams' last bytes: replica → proxy → client
+            print(f"dflash-serve: drained: {json.dumps(drained)}", flush=True)
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-    return 0
+        if lost is None:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+        elif started_here:  # Ray cannot stop what it lost: end it here, the port first
+            end_descendants()
+            threading.Thread(target=ray.shutdown, daemon=True).start()  # may hang: not waited
+        if started_here:
+            end_descendants()  # whatever outlived the shutdown
+    return 1 if lost is not None else 0
 
 
 # After the drain, how long the last chunks of the stopped streams get to pass through Serve's

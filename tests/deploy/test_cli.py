@@ -271,3 +271,74 @@ def test_drain_reports_a_driver_it_stopped_waiting_for(monkeypatch):
     assert ray_client.drain_engines(30.0, force) == [
         {"driver": "dflash-driver-a", "error": "not waited for: a second signal"},
         {"driver": "dflash-driver-b", "error": "not waited for: a second signal"}]
+
+
+@pytest.mark.parametrize("reuse_port", [False, True])
+def test_a_port_in_use_is_refused_before_anything_starts(capsys, reuse_port):
+    """A second server on a port that one listens on (Ray Serve's proxy listens with
+    SO_REUSEPORT, which would let a second proxy share the port) exits 2 at once."""
+    import socket
+
+    with socket.socket() as s:
+        if reuse_port:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        argv = ["serve", "--model", str(DEMO / "target"), "--device", "cpu", "--port", str(port)]
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err
+
+
+def test_serve_routes_of_the_proxy_ask_for_the_key():
+    """Ray Serve's proxy answers /-/routes and /-/healthz itself: the middleware its callback
+    installs asks for the key there (any case of the scheme), and leaves the rest alone."""
+    import asyncio
+
+    from deploy.proxy_auth import CALLBACK_ENV, GuardProxyRoutes, key_digest, proxy_env
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guarded = GuardProxyRoutes(app, key_digest("s3cret"))
+
+    def status(path: str, authorization: str | None = None) -> int:
+        headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        asyncio.run(guarded({"type": "http", "path": path, "headers": headers}, receive, send))
+        return sent[0]["status"]
+
+    assert status("/-/routes") == 401 and status("/-/healthz", "Bearer wrong") == 401
+    assert status("/-/routes", "Bearer s3cret") == 200
+    assert status("/-/healthz", "bearer s3cret") == 200
+    assert status("/v1/models") == 200  # the application checks its own routes
+    assert proxy_env(None) == {} and proxy_env("k")[CALLBACK_ENV] == "deploy.proxy_auth:middlewares"
+
+
+def test_processes_orphaned_below_a_subreaper_are_found_and_ended():
+    """What `serve` does when its raylet dies: the processes orphaned below it (as Ray's are
+    when the raylet goes) are re-parented to it, and end_descendants ends every one."""
+    script = (
+        "import os, subprocess, sys, time\n"
+        "from deploy.process_tree import become_subreaper, descendants, end_descendants\n"
+        "assert become_subreaper()\n"
+        # a child that starts a grandchild and exits: the grandchild is orphaned
+        "subprocess.run([sys.executable, '-c', 'import subprocess, sys; "
+        "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(60)\"])'])\n"
+        "time.sleep(0.5)\n"
+        "orphans = descendants(os.getpid())\n"
+        "ended = end_descendants(grace_s=2)\n"
+        "print(len(orphans), sorted(ended) == sorted(orphans), descendants(os.getpid()))\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "True", "[]"]
