@@ -9,6 +9,7 @@ Exits 1 if any answer is not a 4xx with an error body, or if a good request fail
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -18,8 +19,9 @@ import httpx2 as httpx
 JSON = {"content-type": "application/json"}
 
 
-def catalogue(model: str) -> list[tuple[str, str, bytes]]:
-    """(name, path, raw body): the body as bytes, so malformed JSON can be sent too."""
+def catalogue(model: str) -> list[tuple[str, str, bytes] | tuple[str, str, bytes, dict]]:
+    """(name, path, raw body[, headers]): the body as bytes, so malformed JSON can be sent
+    too; headers beside the JSON content type."""
     def body(obj: object) -> bytes:
         return json.dumps(obj).encode()
 
@@ -87,6 +89,39 @@ def catalogue(model: str) -> list[tuple[str, str, bytes]]:
     cases.append(("response_format json", chat, body({
         "model": model, "messages": [{"role": "user", "content": "x"}],
         "response_format": {"type": "json_object"}})))
+    user = [{"role": "user", "content": "x"}]
+    template_kwargs = [  # the chat template's inputs are an allow-list
+        ("chat_template_kwargs return_tensors pt", {"return_tensors": "pt"}),
+        ("chat_template_kwargs return_tensors np", {"return_tensors": "np"}),
+        ("chat_template_kwargs replacing the template", {"chat_template": "{{ 'x' }}"}),
+        ("chat_template_kwargs tokenizer padding", {"padding": "max_length",
+                                                    "max_length": 200_000}),
+        ("chat_template_kwargs a list value", {"enable_thinking": [1]}),
+    ]
+    for name, kwargs in template_kwargs:
+        cases.append((name, chat, body({"model": model, "messages": user,
+                                        "chat_template_kwargs": kwargs})))
+        cases.append((name + ", /tokenize", "/tokenize", body({
+            "model": model, "messages": user, "chat_template_kwargs": kwargs})))
+    cases += [
+        ("a request's own chat template", chat, body({
+            "model": model, "messages": user,
+            "chat_template": "{% for a in range(99999) %}{% for b in range(99999) %}x"
+                             "{% endfor %}{% endfor %}"})),
+        ("a 5,000-digit max_tokens", comp,
+         b'{"model": "%s", "prompt": "hi", "max_tokens": %s}' % (m, b"9" * 5000)),
+        ("a 5,000-digit template variable", chat,
+         b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], '
+         b'"chat_template_kwargs": {"enable_thinking": %s}}' % (m, b"9" * 5000)),
+        ("seed 2^63-1 with n 2", comp, body({"model": model, "prompt": "hi",
+                                             "seed": 2**63 - 1, "n": 2})),
+        ("a response of 256 choices x 20 alternatives x the context", comp, body({
+            "model": model, "prompt": "hi", "n": 256, "logprobs": 20, "max_tokens": None})),
+        ("/detokenize of 3 M ids", "/detokenize",
+         b'{"model": "%s", "tokens": [' % m + b"1," * 2_999_999 + b"1]}"),
+        ("a gzip body", comp, gzip.compress(body({"model": model, "prompt": "hi"})),
+         {"content-encoding": "gzip"}),
+    ]
     return cases
 
 
@@ -94,8 +129,8 @@ def run(base_url: str, timeout: float = 60.0) -> dict:
     with httpx.Client(timeout=timeout) as client:
         model = client.get(f"{base_url}/v1/models").json()["data"][0]["id"]
         results = []
-        for name, path, raw in catalogue(model):
-            r = client.post(base_url + path, content=raw, headers=JSON)
+        for name, path, raw, *headers in catalogue(model):
+            r = client.post(base_url + path, content=raw, headers=JSON | dict(*headers))
             try:
                 err = r.json().get("error") or {}
             except ValueError:

@@ -1,11 +1,16 @@
 """Reliability runs against a real `dflash-serve serve` (started here, in its own process and
 Ray cluster), each printing and writing its figures as JSON (docs/RELIABILITY.md):
 
-    python -m tools.chaos drain  [--grace 10]          # SIGTERM with 8 streams open
-    python -m tools.chaos kill   [--streams 16]        # a TP worker, the draft, the driver
-    python -m tools.chaos big                          # a 20 MB body beside 4 streams
-    python -m tools.chaos soak   [--duration 1200]     # mixed load, cancels, periodic kills
-    common: [--model DIR --draft-model DIR --tp 2 --device cpu --out result.json]
+    python -m tools.chaos drain    [--grace 10]        # SIGTERM with 8 streams open
+    python -m tools.chaos kill     [--streams 16]      # a second server on the port; SIGKILL of
+                                                       # a TP worker, the draft, the driver; then
+                                                       # of the raylet (the server must exit)
+    python -m tools.chaos freeze   [--streams 16]      # SIGSTOP of a TP worker, of the driver
+    python -m tools.chaos abandon  [--requests 200]    # clients that leave at any moment
+    python -m tools.chaos overload                     # 3 requests of n = 256 at once
+    python -m tools.chaos big      [--payload detokenize]  # a 20 MB body beside 4 streams
+    python -m tools.chaos soak     [--duration 1200]   # mixed load, cancels, periodic kills
+    common: [--model DIR --draft-model DIR --tp 2 --device cpu --api-key KEY --out result.json]
 
 A stream's ending is one of: "finished" (finish_reason, then [DONE]), "error:<code>" (an
 error event, then [DONE]), "http:<status>" (refused before streaming), "cut" (the connection
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -28,9 +34,25 @@ from pathlib import Path
 
 import httpx2 as httpx
 
+from deploy.process_tree import descendants
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "tests" / "assets" / "tiny"
 MODEL = "tiny"
+ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+HEADERS: dict[str, str] = {}  # the API key's header, when the runs' server has one
+
+
+def serve_command(args: argparse.Namespace, port: int, grace: float = 30.0) -> list[str]:
+    cmd = [sys.executable, "-m", "deploy.cli", "serve", "--model", args.model,
+           "--tp", str(args.tp), "--device", args.device, "--port", str(port),
+           "--served-model-name", MODEL, "--shutdown-grace-s", str(grace),
+           "--max-num-seqs", str(args.max_num_seqs)]
+    if args.draft_model:
+        cmd += ["--draft-model", args.draft_model]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    return cmd
 
 
 class Server:
@@ -41,15 +63,8 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--model", args.model,
-               "--tp", str(args.tp), "--device", args.device, "--port", str(self.port),
-               "--served-model-name", MODEL, "--shutdown-grace-s", str(grace),
-               "--max-num-seqs", str(args.max_num_seqs)]
-        if args.draft_model:
-            cmd += ["--draft-model", args.draft_model]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(serve_command(args, self.port, grace), cwd=ROOT, env=ENV,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         deadline = time.monotonic() + 300
         while not any("stop with Ctrl-C" in line for line in self.lines):
@@ -72,20 +87,7 @@ class Server:
 
     def descendants(self) -> list[int]:
         """The server's process and every process below it (Ray's included)."""
-        children: dict[int, list[int]] = {}
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                children.setdefault(int(fields[1]), []).append(int(d))
-        out, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            todo += children.get(pid, [])
-        return out
+        return [self.proc.pid, *descendants(self.proc.pid)]
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and every process below it (Ray's included)."""
@@ -116,7 +118,8 @@ async def stream(client: httpx.AsyncClient, url: str, prompt_ids: list[int], max
     r = {"ending": "cut", "chunks": 0, "t0": time.monotonic(), "gaps": []}
     last = r["t0"]
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        async with client.stream("POST", f"{url}/v1/completions", json=body,
+                                 headers=HEADERS) as resp:
             if resp.status_code != 200:
                 r["ending"] = f"http:{resp.status_code}"
                 with_body = (await resp.aread()).decode()[:300]
@@ -193,18 +196,25 @@ async def wait_health(url: str, timeout: float) -> float | None:
 
 # The processes behind each role, by the title Ray gives an actor's process.
 ROLE_TITLES = {"worker": "ray::TargetWorker", "draft": "ray::DraftWorker",
-               "driver": "ray::EngineDriver"}
+               "driver": "ray::EngineDriver", "raylet": "/"}
 
 
-def kill(server: Server, role: str) -> float:
-    """SIGKILL of one process of `role` under the server (the last TP worker found, the
-    draft, or the driver), as the kernel's OOM killer or a crash would end it. Returns the
-    moment of the kill (monotonic)."""
-    pids = [pid for pid in server.descendants()
-            if _cmdline(pid).startswith(ROLE_TITLES[role])]
+def role_pid(server: Server, role: str) -> int:
+    """One process of `role` under the server: the last TP worker found, the draft, the
+    driver, or the raylet (by its executable's name)."""
+    if role == "raylet":
+        pids = [p for p in server.descendants() if _cmdline(p).split(" ")[0].endswith("/raylet")]
+    else:
+        pids = [p for p in server.descendants() if _cmdline(p).startswith(ROLE_TITLES[role])]
     if not pids:
-        raise RuntimeError(f"no {ROLE_TITLES[role]} process under the server")
-    os.kill(max(pids), signal.SIGKILL)
+        raise RuntimeError(f"no {role} process under the server")
+    return max(pids)
+
+
+def kill(server: Server, role: str, sig: int = signal.SIGKILL) -> float:
+    """`sig` (SIGKILL: as the kernel's OOM killer or a crash would end it; SIGSTOP: a frozen
+    process) to one process of `role` under the server. Returns the moment (monotonic)."""
+    os.kill(role_pid(server, role), sig)
     return time.monotonic()
 
 
@@ -213,6 +223,82 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def listening(pids: list[int]) -> list[dict]:
+    """The TCP sockets these processes listen on: address, port, the process's title."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue
+    out = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = f[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            if v6:  # four little-endian words
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                addr = socket.inet_ntop(socket.AF_INET6, raw)
+            else:
+                addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
+            pid = inodes[f[9]]
+            out.append({"address": addr, "port": int(hex_port, 16), "pid": pid,
+                        "process": _cmdline(pid).split(" ")[0][:40]})
+    return out
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def health_timeline(url: str, since: float, until: asyncio.Event,
+                          every_s: float = 0.25) -> dict:
+    """/health polled from `since` until `until` is set: when it first failed (a non-200, or
+    no answer within 10 s), the longest it took to answer, when it was 200 again."""
+    first_bad = back = None
+    longest = 0.0
+    async with httpx.AsyncClient(timeout=10) as c:
+        while not until.is_set():
+            t = time.monotonic()
+            try:
+                ok = (await c.get(f"{url}/health")).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            longest = max(longest, time.monotonic() - t)
+            if not ok and first_bad is None:
+                first_bad = time.monotonic() - since
+            elif ok and first_bad is not None and back is None:
+                back = time.monotonic() - since
+            await asyncio.sleep(every_s)
+    return {"first_unhealthy_s": first_bad, "healthy_again_s": back,
+            "longest_answer_s": longest}
+
+
+async def engine_counts(url: str) -> tuple[float, float]:
+    """(requests running, requests waiting) from /metrics."""
+    async with httpx.AsyncClient(timeout=30) as c:
+        text = (await c.get(f"{url}/metrics", headers=HEADERS)).text
+    values = {}
+    for line in text.splitlines():
+        for name in ("dflash_num_requests_running", "dflash_num_requests_waiting"):
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values.get("dflash_num_requests_running", -1), \
+        values.get("dflash_num_requests_waiting", -1)
 
 
 # ---- runs -----------------------------------------------------------------------------------
@@ -227,7 +313,7 @@ async def run_drain(args) -> dict:
         t = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(1.0)
-        late = await c.post(f"{server.url}/v1/completions",
+        late = await c.post(f"{server.url}/v1/completions", headers=HEADERS,
                             json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4})
         results = await asyncio.gather(*tasks)
     rc, _ = server.stop(signal.SIGTERM)  # already signalled: this waits for the exit
@@ -240,9 +326,33 @@ async def run_drain(args) -> dict:
             "exit_code": rc, "exited_after_s": exited}
 
 
+def second_server(args, port: int) -> dict:
+    """`dflash-serve serve` on a port the first server holds: it must refuse to start."""
+    t = time.monotonic()
+    proc = subprocess.run(serve_command(args, port), cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    said = [line for line in proc.stderr.splitlines() if "in use" in line]
+    return {"exit_code": proc.returncode, "exited_after_s": time.monotonic() - t,
+            "message": said[0][:200] if said else proc.stderr[-300:]}
+
+
+async def proxy_routes(url: str) -> dict:
+    """Ray Serve's own routes, with and without the API key."""
+    async with httpx.AsyncClient(timeout=30) as c:
+        return {path: {"without_key": (await c.get(url + path)).status_code,
+                       "with_key": (await c.get(url + path, headers=HEADERS)).status_code}
+                for path in ("/-/routes", "/-/healthz")}
+
+
 async def run_kill(args) -> dict:
     server = Server(args)
-    out = {}
+    out = {"second_server_on_the_port": second_server(args, server.port),
+           "listening_beyond_loopback": [
+               sock for sock in listening(server.descendants())
+               if not sock["address"].removeprefix("::ffff:").startswith("127.")
+               and sock["address"] != "::1"]}
+    if args.api_key:
+        out["proxy_routes"] = await proxy_routes(server.url)
     try:
         for role in ("worker", "draft", "driver"):
             async with httpx.AsyncClient(timeout=300) as c:
@@ -267,9 +377,135 @@ async def run_kill(args) -> dict:
                          "sent_during_recovery": endings(during),
                          "sent_after": endings(after)}
             print(role, json.dumps(out[role]), flush=True)
+        out["raylet"] = await raylet_death(server, args.streams)
+        print("raylet", json.dumps(out["raylet"]), flush=True)
     finally:
         server.stop()
     return out
+
+
+async def raylet_death(server: Server, num_streams: int) -> dict:
+    """SIGKILL of the raylet with streams open: the server must notice, close its port, exit
+    non-zero saying why, and leave no process behind."""
+    before = server.descendants()[1:]
+    async with httpx.AsyncClient(timeout=120) as c:
+        started = [asyncio.Event() for _ in range(num_streams)]
+        tasks = [asyncio.create_task(stream(c, server.url, prompt(10, 300 + i), 900,
+                                            started=started[i])) for i in range(num_streams)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
+        t = await asyncio.to_thread(kill, server, "raylet")
+        try:
+            rest, _ = await asyncio.to_thread(server.proc.communicate, timeout=120)
+        except subprocess.TimeoutExpired:
+            rest = ""
+        exited = time.monotonic() - t if server.proc.returncode is not None else None
+        closed = not port_open(server.port)
+        results = await asyncio.gather(*tasks)
+    await asyncio.sleep(1.0)
+    left = [p for p in before if Path(f"/proc/{p}").exists()
+            and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    said = [line for line in rest.splitlines() if "dflash-serve: error" in line]
+    return {"exit_code": server.proc.returncode, "exited_after_s": exited,
+            "port_closed_at_exit": closed, "streams": endings(results),
+            "processes_before": len(before), "processes_left": len(left),
+            "message": said[0][:300] if said else rest[-300:]}
+
+
+async def run_freeze(args) -> dict:
+    """SIGSTOP of a TP worker, then of the driver, with streams open: the streams end with an
+    error, /health answers 503 meanwhile (never hangs), the engine comes back."""
+    server = Server(args)
+    out, stopped = {}, []
+    try:
+        for role in ("worker", "driver"):
+            async with httpx.AsyncClient(timeout=300) as c:
+                started = [asyncio.Event() for _ in range(args.streams)]
+                tasks = [asyncio.create_task(stream(c, server.url, prompt(10, i), 900,
+                                                    started=started[i]))
+                         for i in range(args.streams)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
+                pid = role_pid(server, role)
+                stopped.append(pid)
+                t = await asyncio.to_thread(kill, server, role, signal.SIGSTOP)
+                done = asyncio.Event()
+                health = asyncio.create_task(health_timeline(server.url, t, done))
+                results = await asyncio.gather(*tasks)
+                ended = max(r["t1"] for r in results) - t
+                back = await wait_health(server.url, 300)  # from here: 200 again
+                done.set()
+                after = await asyncio.gather(*(stream(c, server.url, prompt(8, 200 + i), 16)
+                                               for i in range(4)))
+            out[role] = {"in_flight": endings(results), "all_ended_within_s": ended,
+                         **await health, "health_back_after_streams_s": back,
+                         "sent_after": endings(after),
+                         "frozen_process_gone": not Path(f"/proc/{pid}").exists()}
+            print(role, json.dumps(out[role]), flush=True)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        server.stop()
+    return out
+
+
+async def run_abandon(args) -> dict:
+    """`--requests` requests at once (streamed or not, n 1 or 4), each abandoned by its
+    client at a random moment 0–1.5 s after it was sent (queued, prefilling, decoding): how
+    many still run afterwards, and until when."""
+    server = Server(args)
+    rng = random.Random(2)
+    try:
+        limits = httpx.Limits(max_connections=args.requests + 10)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+            async def one(i: int) -> None:
+                body = {"model": MODEL, "prompt": prompt(20, 500 + i), "max_tokens": 900,
+                        "ignore_eos": True, "stream": rng.random() < 0.5,
+                        "n": rng.choice([1, 1, 4])}
+                task = asyncio.create_task(c.post(f"{server.url}/v1/completions", json=body,
+                                                  headers=HEADERS))
+                await asyncio.sleep(rng.uniform(0.0, 1.5))
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+            await asyncio.gather(*(one(i) for i in range(args.requests)))
+        t = time.monotonic()
+        samples = []
+        while time.monotonic() - t < 120:
+            running, waiting = await engine_counts(server.url)
+            samples.append((time.monotonic() - t, running, waiting))
+            if running == 0 and waiting == 0:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        server.stop()
+    after_1s = [r + w for at, r, w in samples if at >= 1.0][:1]
+    return {"requests": args.requests, "idle_after_s": samples[-1][0],
+            "still_running_at_first_look": samples[0][1] + samples[0][2],
+            "still_running_after_1s": after_1s[0] if after_1s else 0}
+
+
+async def run_overload(args) -> dict:
+    """Three requests of n = 256 at once, against a queue of 4 × max-num-seqs: each is served
+    or refused, and a refusal comes at once."""
+    server = Server(args)
+    try:
+        async with httpx.AsyncClient(timeout=600) as c:
+            async def one(i: int) -> dict:
+                t = time.monotonic()
+                r = await c.post(f"{server.url}/v1/completions", headers=HEADERS, json={
+                    "model": MODEL, "prompt": prompt(10, 700 + i), "max_tokens": 64, "n": 256,
+                    "ignore_eos": True})
+                return {"status": r.status_code, "seconds": time.monotonic() - t,
+                        "code": r.json().get("error", {}).get("code") if r.status_code != 200
+                        else None}
+
+            results = await asyncio.gather(*(one(i) for i in range(3)))
+            after = await stream(c, server.url, prompt(8, 800), 8)
+    finally:
+        server.stop()
+    return {"requests": results, "served": sum(r["status"] == 200 for r in results),
+            "refused": sum(r["status"] == 429 for r in results), "after": after["ending"]}
 
 
 async def run_big(args) -> dict:
@@ -281,10 +517,17 @@ async def run_big(args) -> dict:
                                                 started=started[i])) for i in range(4)]
             await asyncio.gather(*(e.wait() for e in started))
             await asyncio.sleep(3.0)
-            body = json.dumps({"model": MODEL, "prompt": "a" * (20 << 20), "max_tokens": 4})
+            if args.payload == "detokenize":  # 3 M ids: 15 MB, within the body limit
+                path = "/detokenize"
+                body = json.dumps({"model": MODEL,
+                                   "tokens": [100 + i % 200 for i in range(3_000_000)]})
+            else:
+                path = "/v1/completions"
+                body = json.dumps({"model": MODEL, "prompt": "a" * (20 << 20),
+                                   "max_tokens": 4})
             t = time.monotonic()
-            r = await c.post(f"{server.url}/v1/completions", content=body,
-                             headers={"Content-Type": "application/json"})
+            r = await c.post(f"{server.url}{path}", content=body,
+                             headers={"Content-Type": "application/json", **HEADERS})
             big_s, t_end = time.monotonic() - t, time.monotonic()
             results = await asyncio.gather(*tasks)
     finally:
@@ -302,7 +545,8 @@ async def run_big(args) -> dict:
         return {"n": len(gaps), "median_ms": statistics.median(gaps) if gaps else None,
                 "max_ms": gaps[-1] if gaps else None}
 
-    return {"status": r.status_code, "code": r.json().get("error", {}).get("code"),
+    return {"payload": args.payload, "bytes": len(body), "status": r.status_code,
+            "code": r.json().get("error", {}).get("code"),
             "seconds": big_s, "streams": endings(results),
             "gaps_before": gap_stats(t - 2.5, t), "gaps_during": gap_stats(t, t_end + 0.5)}
 
@@ -354,7 +598,8 @@ async def run_soak(args) -> dict:
 def main_result(argv: list[str] | None = None) -> dict:
     """Runs what argv says; its result (also printed, and written to --out)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("run", choices=["drain", "kill", "big", "soak"])
+    p.add_argument("run", choices=["drain", "kill", "freeze", "abandon", "overload", "big",
+                                   "soak"])
     p.add_argument("--model", default=str(DEMO / "target"))
     p.add_argument("--draft-model", default=str(DEMO / "draft"))
     p.add_argument("--tp", type=int, default=2)
@@ -365,9 +610,18 @@ def main_result(argv: list[str] | None = None) -> dict:
     p.add_argument("--duration", type=float, default=1200.0, help="soak: seconds")
     p.add_argument("--clients", type=int, default=12, help="soak: concurrent clients")
     p.add_argument("--kill-every", type=float, default=240.0, help="soak: seconds")
+    p.add_argument("--requests", type=int, default=200, help="abandon: requests")
+    p.add_argument("--payload", choices=["completion", "detokenize"], default="completion",
+                   help="big: a 20 MB completion, or a /detokenize of 3 M ids (15 MB)")
+    p.add_argument("--api-key", help="serve with this API key (kill: also checks Ray Serve's "
+                                     "own routes for it)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    runs = {"drain": run_drain, "kill": run_kill, "big": run_big, "soak": run_soak}
+    HEADERS.clear()
+    if args.api_key:
+        HEADERS["Authorization"] = f"Bearer {args.api_key}"
+    runs = {"drain": run_drain, "kill": run_kill, "freeze": run_freeze, "abandon": run_abandon,
+            "overload": run_overload, "big": run_big, "soak": run_soak}
     result = {"run": args.run, "args": vars(args), **asyncio.run(runs[args.run](args))}
     text = json.dumps(result, indent=1)
     print(text)

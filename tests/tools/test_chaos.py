@@ -1,10 +1,10 @@
 """tools/chaos.py's runs, short, against a real `dflash-serve serve` (TP 2, CPU, the tiny
-pair): kills (SIGKILL of the process) of a worker, the draft and the driver under load, and a
-one-minute soak with cancellations and kills. What they check is behaviour: every stream ends
-(its output, or an error event and [DONE]; never a cut connection), requests sent during a
-recovery and after it succeed, /health comes back, and /dev/shm holds nothing of ours
-afterwards. The timings they report are docs/RELIABILITY.md's (the full-length runs there),
-not asserted here."""
+pair): kills (SIGKILL of the process) of a worker, the draft, the driver and the raylet under
+load, and a short soak with cancellations and kills. What they check is behaviour: every
+stream ends (its output, or an error event and [DONE]; never a cut connection, but for the
+raylet's death, which takes the server with it), requests sent during a recovery and after it
+succeed, /health comes back, and /dev/shm holds nothing of ours afterwards. The timings they
+report are docs/RELIABILITY.md's (the full-length runs there), not asserted here."""
 
 from __future__ import annotations
 
@@ -16,7 +16,17 @@ pytestmark = pytest.mark.ray
 
 
 def test_kills_under_load_end_every_stream_and_lose_nothing():
-    result = chaos.main_result(["kill", "--streams", "4"])
+    """Also, on the same server (run with an API key): a second server on its port refuses to
+    start; nothing but Serve's proxy answers beyond loopback (the replica's inter-deployment
+    gRPC port, under Ray's token authentication, aside), Serve's own routes ask for the key;
+    and the raylet's death ends the server: non-zero exit, port closed, no process left."""
+    result = chaos.main_result(["kill", "--streams", "4", "--api-key", "chaos-key"])
+    second = result["second_server_on_the_port"]
+    assert second["exit_code"] == 2 and "is in use" in second["message"], second
+    beyond = result["listening_beyond_loopback"]
+    assert all(s["process"].startswith("ray::ServeReplica") for s in beyond), beyond
+    assert result["proxy_routes"] == {path: {"without_key": 401, "with_key": 200}
+                                      for path in ("/-/routes", "/-/healthz")}
     for role in ("worker", "draft", "driver"):
         r = result[role]
         assert set(r["in_flight"]) == {"error:engine_unavailable" if role == "driver"
@@ -24,6 +34,9 @@ def test_kills_under_load_end_every_stream_and_lose_nothing():
         assert r["health_back_s"] is not None, r
         assert r["sent_during_recovery"] == {"finished": 8}, r
         assert r["sent_after"] == {"finished": 4}, r
+    raylet = result["raylet"]
+    assert raylet["exit_code"] == 1 and "raylet" in raylet["message"], raylet
+    assert raylet["port_closed_at_exit"] and raylet["processes_left"] == 0, raylet
 
 
 def test_a_short_soak_loses_nothing_and_leaves_nothing():
