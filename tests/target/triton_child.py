@@ -26,6 +26,33 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _dot_by_element() -> None:
+    """In the interpreter tl.dot is numpy's matmul, whose BLAS sums in an order set by the
+    operands' shapes and the host CPU (a one-row product takes another kernel than a 16-row
+    one), so a row's bits could change with the rows beside it, which a GPU's mma never does,
+    and the bit-invariance tests would test the host's BLAS. The children's dot is computed in
+    float64 and rounded once: each element from its own row and column, the same bits at any
+    shape on any CPU (but for a float64 sum's rounding that lands on a float32 tie)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    blas_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.dtype.is_floating() and b.dtype.is_floating()) or 8 in (
+                a.dtype.primitive_bitwidth, b.dtype.primitive_bitwidth):
+            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        return interpreter.TensorHandle(product.astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _dot_by_element()
+
+
 def case_errors(cases, dtypes, case_error: Callable[[str, str, str], float | str],
                 device: str) -> dict[str, float | str]:
     """"name/dtype" → case_error(name, dtype, device), or the text of what it raised (reported
