@@ -1,9 +1,9 @@
 """The driver actor: owns one engine's actors (RayEngineCluster) and runs its loop
 (LocalEngineClient: one thread stepping the engine). A Serve replica talks to it through
 `RayEngineClient` (deploy/ray_client.py): `add_many` per API request (its choices together),
-`abort` per engine request, and one long-lived `stream` (a Ray streaming generator) that
-carries every request's new tokens of a step in one batch — one Ray object per step, however
-many requests run.
+`abort_many` for the requests whose clients left (batched), and one long-lived `stream` (a Ray
+streaming generator) that carries every request's new tokens of a step in one batch — one Ray
+object per step, however many requests run.
 
 A step that fails (a rank died, or hung past the step timeout) fails the requests in flight
 with EngineStepError; the driver then kills every actor of the engine and starts them again in

@@ -94,6 +94,10 @@ class LocalExecutor:
 # compiling, a step longer than the warm-up's): the step goes on, up to step_timeout_s.
 STALL_FACTOR = 8.0
 STALL_MIN_S = 5.0
+# A step of this many sequences is expected to take as long as the warm-up's (batch 1 on a
+# CPU; on a GPU its graph buckets); beyond, proportionally longer (a batch-32 verify round on
+# an H100 takes 4.5 times a batch-1 one).
+SEQS_PER_STEP_TIME = 8
 PROBE_TIMEOUT_S = 5.0
 PROBE_EVERY_S = 10.0
 
@@ -101,11 +105,12 @@ PROBE_EVERY_S = 10.0
 @dataclass
 class StepTimes:
     """A step's expected seconds from the warm-up's steps (the start-up profile), each figure
-    the largest seen: a cost per sequence of a step (rounds) plus a cost per prompt token fed
-    (prefill chunks). Until `calibrate()` nothing is expected, and no step is overdue before
-    step_timeout_s (the warm-up itself compiles kernels)."""
+    the largest seen: a step's own time (rounds, calls), which grows with its sequences past
+    SEQS_PER_STEP_TIME, plus a cost per prompt token fed (prefill chunks). Until `calibrate()`
+    nothing is expected, and no step is overdue before step_timeout_s (the warm-up itself
+    compiles kernels)."""
 
-    per_seq_s: float = 0.0
+    step_s: float = 0.0
     per_token_s: float = 0.0
     calibrated: bool = False
 
@@ -116,7 +121,7 @@ class StepTimes:
         if msg.kind is StepKind.PREFILL and tokens:
             self.per_token_s = max(self.per_token_s, seconds / tokens)
         else:
-            self.per_seq_s = max(self.per_seq_s, seconds / max(1, len(msg.seq_ids)))
+            self.step_s = max(self.step_s, seconds)
 
     def calibrate(self) -> None:
         self.calibrated = True
@@ -125,8 +130,8 @@ class StepTimes:
         """Seconds after which `msg` is overdue; None before calibration."""
         if not self.calibrated:
             return None
-        expected = self.per_seq_s * max(1, len(msg.seq_ids)) + self.per_token_s * sum(
-            msg.chunk_lens)
+        batch = max(1.0, len(msg.seq_ids) / SEQS_PER_STEP_TIME)
+        expected = self.step_s * batch + self.per_token_s * sum(msg.chunk_lens)
         return max(STALL_MIN_S, STALL_FACTOR * expected)
 
 

@@ -55,7 +55,7 @@ HEALTH_ANSWER_S = 5.0
 # answered for DRIVER_LOST_S is frozen (stopped, or its event loop wedged): the requests in
 # flight fail and a new driver starts, as when it dies.
 DRIVER_WATCH_S = 5.0
-DRIVER_LOST_S = 30.0
+DRIVER_LOST_S = 20.0
 # Streams in flight per driver: its asyncio loop only forwards tokens, so this is generous.
 DRIVER_MAX_CONCURRENCY = 4096
 
