@@ -108,6 +108,9 @@ def catalogue(model: str) -> list[tuple[str, str, bytes] | tuple[str, str, bytes
             "model": model, "messages": user,
             "chat_template": "{% for a in range(99999) %}{% for b in range(99999) %}x"
                              "{% endfor %}{% endfor %}"})),
+        ("temperature NaN", comp, b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % m),
+        ("top_p Infinity", comp, b'{"model": "%s", "prompt": "hi", "top_p": Infinity}' % m),
+        ("temperature 1e400", comp, b'{"model": "%s", "prompt": "hi", "temperature": 1e400}' % m),
         ("a 5,000-digit max_tokens", comp,
          b'{"model": "%s", "prompt": "hi", "max_tokens": %s}' % (m, b"9" * 5000)),
         ("a 5,000-digit template variable", chat,

@@ -91,6 +91,7 @@ def test_serve_runs_until_sigterm_and_generate_tp2_equals_tp1():
     its own cluster) gives the in-process tokens."""
     import os
     import signal
+    import socket
     import threading
     import time
 
@@ -137,6 +138,8 @@ def test_serve_runs_until_sigterm_and_generate_tp2_equals_tp1():
             t.join(timeout=60)
         rest, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, rest[-3000:]
+        with socket.socket() as probe:  # the port is free again
+            assert probe.connect_ex(("127.0.0.1", port)) != 0
         assert "shutting down" in rest and '"stopped": 2' in rest, rest[-3000:]
         short, *long = streams
         assert "error" not in short and short["events"][-1] == "[DONE]"

@@ -568,3 +568,50 @@ def test_a_stream_whose_client_leaves_is_closed_at_once(leaves):
     finally:
         gc.enable()
     assert len(closed) == 1
+
+
+def test_conflicting_framing_is_a_400_and_idle_connections_starve_nothing(server):
+    """Held up in the second red-team pass and kept: a body with both Content-Length and
+    Transfer-Encoding is refused by the HTTP server (400), and 1,000 connections held open
+    without a request do not keep a request from being served."""
+    import resource
+    import socket
+    from urllib.parse import urlsplit
+
+    host, port = urlsplit(server["url"]).hostname, urlsplit(server["url"]).port
+    with socket.create_connection((host, port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+        assert s.recv(64).split(b" ")[1] == b"400"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 4096), hard), hard))
+    idle = []
+    try:
+        for _ in range(1000):
+            idle.append(socket.create_connection((host, port), timeout=30))
+        r = httpx.post(server["url"] + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "still here", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        for s in idle:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_sixty_four_requests_near_the_context_all_finish(server):
+    """Held up and kept: 64 prompts 4 tokens short of the context at once (four times the
+    sequences the engine runs together): each is served to the end of the context."""
+    context = server["client"].max_model_len
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 300, (context - 4,), generator=g).tolist() for _ in range(64)]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server['url']}/v1", api_key="x",
+                                      max_retries=0, timeout=300) as aoai:
+            return await asyncio.gather(*(aoai.completions.create(
+                model=MODEL, prompt=p, max_tokens=4, **GREEDY, extra_body={"ignore_eos": True})
+                for p in prompts))
+
+    for r in asyncio.run(run()):
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    wait_idle(server)
