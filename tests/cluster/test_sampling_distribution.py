@@ -14,7 +14,7 @@ from configs.engine import EngineConfig, SamplingParams
 from workers.sampling import probs_from_logits
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
-N = 3000
+N = 1500
 
 
 def _prompt() -> list[int]:
@@ -44,7 +44,7 @@ def exact_joint(params: SamplingParams) -> dict[tuple[int, int], float]:
 
 def sampled_joint(draft: Path | None, params: SamplingParams) -> dict[tuple[int, int], float]:
     eng = LLMEngine(EngineConfig(model=str(DEMO / "target"), draft_model=draft and str(draft),
-                                 block_size=4 if draft else None, max_num_seqs=128,
+                                 block_size=4 if draft else None, max_num_seqs=512,
                                  max_model_len=32, kv_block_size=4))
     outs = eng.generate([PROMPT] * N, [
         SamplingParams(max_tokens=2, ignore_eos=True, temperature=params.temperature,
