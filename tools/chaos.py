@@ -268,9 +268,8 @@ def port_open(port: int) -> bool:
 async def health_timeline(url: str, since: float, until: asyncio.Event,
                           every_s: float = 0.25) -> dict:
     """/health polled from `since` until `until` is set: when it first failed (a non-200, or
-    no answer within 10 s), the longest it took to answer, when it was 200 again."""
-    first_bad = back = None
-    longest = 0.0
+    no answer within 10 s), and the longest it took to answer."""
+    first_bad, longest = None, 0.0
     async with httpx.AsyncClient(timeout=10) as c:
         while not until.is_set():
             t = time.monotonic()
@@ -281,24 +280,24 @@ async def health_timeline(url: str, since: float, until: asyncio.Event,
             longest = max(longest, time.monotonic() - t)
             if not ok and first_bad is None:
                 first_bad = time.monotonic() - since
-            elif ok and first_bad is not None and back is None:
-                back = time.monotonic() - since
             await asyncio.sleep(every_s)
-    return {"first_unhealthy_s": first_bad, "healthy_again_s": back,
-            "longest_answer_s": longest}
+    return {"first_unhealthy_s": first_bad, "longest_answer_s": longest}
 
 
-async def engine_counts(url: str) -> tuple[float, float]:
-    """(requests running, requests waiting) from /metrics."""
+async def engine_counts(url: str) -> dict[str, float]:
+    """From /metrics: requests running and waiting, and those the engine ended, by how."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     async with httpx.AsyncClient(timeout=30) as c:
         text = (await c.get(f"{url}/metrics", headers=HEADERS)).text
-    values = {}
-    for line in text.splitlines():
-        for name in ("dflash_num_requests_running", "dflash_num_requests_waiting"):
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values.get("dflash_num_requests_running", -1), \
-        values.get("dflash_num_requests_waiting", -1)
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("dflash_num_requests_running", "dflash_num_requests_waiting"):
+                out[sample.name.removeprefix("dflash_num_requests_")] = sample.value
+            elif sample.name == "dflash_engine_requests_finished_total":
+                out["ended_by_" + sample.labels["finish_reason"]] = sample.value
+    return out
 
 
 # ---- runs -----------------------------------------------------------------------------------
@@ -431,13 +430,16 @@ async def run_freeze(args) -> dict:
                 health = asyncio.create_task(health_timeline(server.url, t, done))
                 results = await asyncio.gather(*tasks)
                 ended = max(r["t1"] for r in results) - t
-                back = await wait_health(server.url, 300)  # from here: 200 again
+                await wait_health(server.url, 300)
+                back = time.monotonic() - t
                 done.set()
                 after = await asyncio.gather(*(stream(c, server.url, prompt(8, 200 + i), 16)
                                                for i in range(4)))
+            timeline = await health
             out[role] = {"in_flight": endings(results), "all_ended_within_s": ended,
-                         **await health, "health_back_after_streams_s": back,
-                         "sent_after": endings(after),
+                         "first_unhealthy_s": timeline["first_unhealthy_s"],
+                         "longest_health_answer_s": timeline["longest_answer_s"],
+                         "healthy_again_s": back, "sent_after": endings(after),
                          "frozen_process_gone": not Path(f"/proc/{pid}").exists()}
             print(role, json.dumps(out[role]), flush=True)
     finally:
@@ -468,21 +470,23 @@ async def run_abandon(args) -> dict:
                 with contextlib.suppress(BaseException):
                     await task
 
+            before = await engine_counts(server.url)
             await asyncio.gather(*(one(i) for i in range(args.requests)))
         t = time.monotonic()
         samples = []
         while time.monotonic() - t < 120:
-            running, waiting = await engine_counts(server.url)
-            samples.append((time.monotonic() - t, running, waiting))
-            if running == 0 and waiting == 0:
+            counts = await engine_counts(server.url)
+            samples.append((time.monotonic() - t, counts["running"] + counts["waiting"]))
+            if samples[-1][1] == 0:
                 break
             await asyncio.sleep(0.1)
     finally:
         server.stop()
-    after_1s = [r + w for at, r, w in samples if at >= 1.0][:1]
+    ended = {how: counts[f"ended_by_{how}"] - before[f"ended_by_{how}"]
+             for how in ("stop", "length", "abort", "error")}
     return {"requests": args.requests, "idle_after_s": samples[-1][0],
-            "still_running_at_first_look": samples[0][1] + samples[0][2],
-            "still_running_after_1s": after_1s[0] if after_1s else 0}
+            "in_engine_at_the_last_abandonment": samples[0][1],
+            "engine_requests_ended": ended}
 
 
 async def run_overload(args) -> dict:
