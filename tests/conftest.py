@@ -64,6 +64,16 @@ def tiny_demo() -> tuple[Path, Path]:
     return target, draft
 
 
+def pytest_collection_finish(session):
+    """The Triton tests' interpreter children start now, beside the whole run
+    (tests/target/triton_child.py)."""
+    import sys
+
+    triton_child = sys.modules.get("triton_child")  # imported by the files that have children
+    if triton_child is not None:
+        triton_child.queue_session(list(dict.fromkeys(str(item.path) for item in session.items)))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -4,10 +4,12 @@ TRITON_INTERPRET=1. It only takes effect if set before triton is first imported,
 whole-suite run torch._dynamo has imported triton during collection already; setting it in
 the test process would also leak into every later test.
 
-The children take minutes together in the interpreter, one core each. When the first test
-file's results are wanted, every test file of the session that has its own child is queued,
-and CHILDREN of them run at a time while the tests go on: a file's results are usually
-ready, or under way, by the time its tests run."""
+The children take minutes together in the interpreter, one core each. Once the session's tests
+are collected, every selected test file that has its own child is queued (tests/conftest.py),
+and CHILDREN of them run at a time at the lowest CPU priority while the tests go on: they take
+the cores the tests leave idle (a Ray test waiting on its actors, a timeout), and a file's
+results are usually ready by the time its tests run. A file whose tests come first waits for
+its child, which then has the machine."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -77,26 +80,45 @@ def max_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 
 # children running at once: one a core, and never more than 2 (the tests go on beside them)
 CHILDREN = max(1, min(2, os.cpu_count() or 1))
-CHILD_TIMEOUT = 600  # seconds from a child's start
+CHILD_TIMEOUT = 600  # seconds a test waits for its file's child
 
 _FILES: list[str] = []  # the test files with a child, as their modules were imported
 _queue: list[str] = []  # files whose children wait for a free slot, in the session's order
-_children: dict[str, tuple[subprocess.Popen, float, object, object]] = {}
+_children: dict[str, tuple[subprocess.Popen, object, object]] = {}
+_lock = threading.Lock()  # the queue is topped up from the tests and from a thread
 
 
 def _start(test_file: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, test_file], env=env, cwd=ROOT, stdout=out,
-                            stderr=err, text=True)
-    _children[test_file] = (proc, time.monotonic(), out, err)
+    proc = subprocess.Popen(["nice", "-n", "19", sys.executable, test_file], env=env, cwd=ROOT,
+                            stdout=out, stderr=err, text=True)
+    _children[test_file] = (proc, out, err)
 
 
 def _top_up() -> None:
-    running = sum(proc.poll() is None for proc, *_ in _children.values())
-    while _queue and running < CHILDREN:
-        _start(_queue.pop(0))
-        running += 1
+    with _lock:
+        running = sum(proc.poll() is None for proc, *_ in _children.values())
+        while _queue and running < CHILDREN:
+            _start(_queue.pop(0))
+            running += 1
+
+
+def _keep_topped_up() -> None:
+    while _queue:
+        _top_up()
+        time.sleep(1.0)
+
+
+def queue_session(test_files: Sequence[str]) -> None:
+    """Queues the children of the session's files (those of them with a child, in order) and
+    keeps CHILDREN running until none is left; nothing on CUDA."""
+    if torch.cuda.is_available():
+        return
+    with _lock:
+        _queue.extend(path for path in test_files
+                      if path in _FILES and path not in _children and path not in _queue)
+    threading.Thread(target=_keep_topped_up, name="triton-children", daemon=True).start()
 
 
 @atexit.register
@@ -112,18 +134,20 @@ def run(test_file: str, session_files: Sequence[str] = ()) -> dict | None:
     session will want, queued behind this one's if not started yet."""
     if torch.cuda.is_available():
         return None
-    for path in [test_file, *session_files]:
-        if path not in _children and path not in _queue:
-            _queue.append(path)
-    if test_file in _queue:  # its tests wait on it: it goes first
-        _queue.remove(test_file)
-        _start(test_file)
-    proc, started, out, err = _children[test_file]
+    with _lock:
+        for path in [test_file, *session_files]:
+            if path not in _children and path not in _queue:
+                _queue.append(path)
+        if test_file in _queue:  # its tests wait on it: it goes first
+            _queue.remove(test_file)
+            _start(test_file)
+    proc, out, err = _children[test_file]
+    waited = time.monotonic()
     while proc.poll() is None:
         _top_up()
-        if time.monotonic() - started > CHILD_TIMEOUT:
+        if time.monotonic() - waited > CHILD_TIMEOUT:
             proc.kill()
-            raise TimeoutError(f"{test_file}'s interpreter child ran past {CHILD_TIMEOUT} s")
+            raise TimeoutError(f"{test_file}'s interpreter child ran {CHILD_TIMEOUT} s more")
         time.sleep(0.2)
     _top_up()
     out.seek(0), err.seek(0)
