@@ -300,6 +300,15 @@ async def engine_counts(url: str) -> dict[str, float]:
     return out
 
 
+async def streams_under_way(c: httpx.AsyncClient, url: str, n: int) -> list[asyncio.Task]:
+    """n streams of 900 tokens, returned once each has had its first chunk."""
+    started = [asyncio.Event() for _ in range(n)]
+    tasks = [asyncio.create_task(stream(c, url, prompt(10, i), 900, started=started[i]))
+             for i in range(n)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
+    return tasks
+
+
 # ---- runs -----------------------------------------------------------------------------------
 
 async def run_drain(args) -> dict:
@@ -355,11 +364,7 @@ async def run_kill(args) -> dict:
     try:
         for role in ("worker", "draft", "driver"):
             async with httpx.AsyncClient(timeout=300) as c:
-                started = [asyncio.Event() for _ in range(args.streams)]
-                tasks = [asyncio.create_task(stream(c, server.url, prompt(10, i), 900,
-                                                    started=started[i]))
-                         for i in range(args.streams)]
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
+                tasks = await streams_under_way(c, server.url, args.streams)
                 t = await asyncio.to_thread(kill, server, role)
                 health_task = asyncio.create_task(recovered_after(server.url, t))
                 await asyncio.sleep(0.5)
@@ -418,11 +423,7 @@ async def run_freeze(args) -> dict:
     try:
         for role in ("worker", "driver"):
             async with httpx.AsyncClient(timeout=300) as c:
-                started = [asyncio.Event() for _ in range(args.streams)]
-                tasks = [asyncio.create_task(stream(c, server.url, prompt(10, i), 900,
-                                                    started=started[i]))
-                         for i in range(args.streams)]
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 300)
+                tasks = await streams_under_way(c, server.url, args.streams)
                 pid = role_pid(server, role)
                 stopped.append(pid)
                 t = await asyncio.to_thread(kill, server, role, signal.SIGSTOP)
