@@ -1,6 +1,7 @@
 """What the HTTP layer needs from an engine: `EngineClient`. Implemented by the in-process
 `LocalEngineClient` (cluster/engine_loop.py) and by `RayEngineClient` (deploy/ray_client.py,
-over the driver actor); nothing in `deploy/openai_api.py` may reach past this protocol."""
+over the driver actor); nothing in the HTTP layer (`deploy/openai_api.py` and the handlers it
+routes to) may reach past this protocol."""
 
 from __future__ import annotations
 

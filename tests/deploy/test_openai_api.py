@@ -14,7 +14,7 @@ import torch
 from live_server import DEMO_MODEL, scrape_metrics, wait_until_idle
 
 from configs.engine import SamplingParams
-from deploy import openai_api
+from deploy import openai_api, openai_server
 from deploy.detokenizer import TextStream
 from deploy.engine_client import EngineDeadError, EngineOverloaded
 
@@ -414,7 +414,7 @@ def test_oversized_requests_are_refused_before_they_are_read_or_tokenized(server
     r = httpx.post(url, content=chunked(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     server_obj = server["server"]
-    limit = server_obj.client.max_model_len * openai_api.MAX_CHARS_PER_TOKEN
+    limit = server_obj.client.max_model_len * openai_server.MAX_CHARS_PER_TOKEN
     for path, body in (("/v1/completions", {"model": MODEL, "prompt": "a" * (limit + 1)}),
                        ("/v1/chat/completions", {"model": MODEL, "messages": [
                            {"role": "user", "content": "a" * (limit // 2 + 1)},

@@ -1,0 +1,284 @@
+"""The handlers behind the routes (deploy/openai_api.py): a request's body read within its
+limits and parsed (deploy/request_body.py), its prompts tokenized and checked against the
+context, its choices sent to the engine together, and the response written
+(deploy/responses.py); also vLLM's /tokenize and /detokenize. Every error becomes OpenAI's
+error JSON (deploy/api_errors.py) and a count in the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from deploy.api_errors import as_request_error
+from deploy.chat_template import ChatTemplate, RenderLimits
+from deploy.detokenizer import TextStream
+from deploy.engine_client import EngineClient, EngineRequest, RequestTiming
+from deploy.generation import (
+    ClosingStream,
+    Generation,
+    close_all,
+    start_all,
+    unless_disconnected,
+)
+from deploy.logprobs import check_response_size
+from deploy.metrics import ServingMetrics
+from deploy.protocol import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    OPENAI_DEFAULTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    SamplingDefaults,
+    TokenizeRequest,
+)
+from deploy.request_body import parse_body, read_body
+from deploy.responses import Responses, sse
+from deploy.token_text import TokenTexts
+
+# A text prompt of more characters than the context × this cannot fit and is refused before
+# it is tokenized (tokenizing megabytes takes seconds); also the chat template's output limit.
+MAX_CHARS_PER_TOKEN = 64
+
+
+class OpenAIServer:
+    def __init__(self, client: EngineClient, tokenizer, metrics: ServingMetrics,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 defaults: SamplingDefaults = OPENAI_DEFAULTS,
+                 trust_request_chat_template: bool = False):
+        self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
+        self.max_request_bytes, self.defaults = max_request_bytes, defaults
+        self.max_chars = client.max_model_len * MAX_CHARS_PER_TOKEN
+        self.chat = None if tokenizer is None else ChatTemplate(
+            tokenizer, RenderLimits(max_chars=self.max_chars), trust_request_chat_template)
+        self.tokens = TokenTexts(tokenizer)
+        self.responses = Responses(client, tokenizer, self.tokens)
+
+    # ---- the request ---------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> bytes:
+        return await read_body(request, self.max_request_bytes)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        context = self.client.max_model_len
+        if num_chars > self.max_chars:
+            raise RequestError(
+                f"the prompt has {num_chars} characters; a context of {context} tokens holds "
+                f"far fewer; shorten the prompt", param, "context_length_exceeded")
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.client.vocab_size
+        if any(type(t) is not int or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"token ids must be integers in [0, {vocab})", param)
+
+    def error(self, endpoint: str, e: Exception) -> JSONResponse:
+        err = as_request_error(e)
+        self.metrics.observe_error(endpoint, err.status)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def _prompts(self, req: CompletionRequest | ChatCompletionRequest
+                       ) -> list[tuple[list[int], str | None]]:
+        """Each prompt's token ids, and its text where the request gave text (echo repeats
+        it as given); text is tokenized off the event loop (other streams and /health go on
+        meanwhile)."""
+        if isinstance(req, ChatCompletionRequest):
+            return [(await self._chat_ids(req.messages, True, req.chat_template_kwargs,
+                                          req.chat_template), None)]
+        out = []
+        for prompt in req.prompts:
+            if isinstance(prompt, list):
+                ids, text = list(prompt), None
+            else:
+                self._need_tokenizer("prompt")
+                self._check_chars(len(prompt), "prompt")
+                ids, text = await asyncio.to_thread(self.tokenizer.encode, prompt), prompt
+            if not ids:
+                raise RequestError("prompt is empty", "prompt")
+            self._check_ids(ids, "prompt")
+            out.append((ids, text))
+        return out
+
+    async def _chat_ids(self, messages, add_generation_prompt: bool,
+                        template_kwargs: dict | None, template: str | None) -> list[int]:
+        """Chat messages through the chat template (off the event loop), within its limits;
+        only the variables it allows (deploy/chat_template.py)."""
+        self._need_tokenizer("messages")
+        texts = [{"role": m.role, "content": m.text()} for m in messages]
+        self._check_chars(sum(len(m["content"]) for m in texts), "messages")
+        ids = await asyncio.to_thread(self.chat.ids, texts, add_generation_prompt,
+                                      template_kwargs, template)
+        self._check_ids(ids, "messages")
+        return ids
+
+    def _need_tokenizer(self, param: str) -> None:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer; send the prompt as token ids to "
+                               "/v1/completions", param)
+
+    def _max_tokens(self, req, num_prompt: int) -> int:
+        chat = isinstance(req, ChatCompletionRequest)
+        requested = req.requested_max_tokens if chat else req.max_tokens
+        param = "max_completion_tokens" if chat and req.max_completion_tokens is not None \
+            else "max_tokens"
+        context = self.client.max_model_len
+        if num_prompt >= context:
+            raise RequestError(
+                f"the prompt has {num_prompt} tokens but the context holds {context}; "
+                "shorten the prompt", "messages" if chat else "prompt", "context_length_exceeded")
+        if requested is None:
+            return context - num_prompt
+        if requested == 0 and not chat and req.echo:
+            return 0
+        if requested <= 0:
+            raise RequestError(f"{param} must be a positive integer, got {requested}", param)
+        if num_prompt + requested > context:
+            raise RequestError(
+                f"the context holds {context} tokens; the prompt has {num_prompt} and {param} "
+                f"asks for {requested} more; lower {param}", param, "context_length_exceeded")
+        return requested
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.client.model_name:
+            raise RequestError(f"the model {model!r} does not exist; this server serves "
+                               f"{self.client.model_name!r}", "model", "model_not_found", 404)
+
+    # ---- tokens and text -----------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            req = await parse_body(TokenizeRequest, await self._body(request))
+            self.check_model(req.model)
+            if req.messages is not None:
+                ids = await self._chat_ids(req.messages, req.add_generation_prompt,
+                                           req.chat_template_kwargs, req.chat_template)
+            else:
+                self._need_tokenizer("prompt")
+                self._check_chars(len(req.prompt), "prompt")
+                ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt,
+                                              add_special_tokens=req.add_special_tokens)
+            return JSONResponse({"count": len(ids), "max_model_len": self.client.max_model_len,
+                                 "tokens": list(ids)})
+        except Exception as e:
+            return self.error("tokenize", e)
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            # a list longer than the context is refused before it is parsed: a comma per id
+            # is counted in a few milliseconds, parsing millions of ids takes seconds
+            context = self.client.max_model_len
+            raw = await self._body(request)
+            if raw.count(b",") >= context:
+                raise RequestError(f"tokens: more ids than the context holds ({context})",
+                                   "tokens")
+            req = await parse_body(DetokenizeRequest, raw)
+            self.check_model(req.model)
+            self._need_tokenizer("tokens")
+            if len(req.tokens) > context:
+                raise RequestError(f"tokens: more ids than the context holds ({context})",
+                                   "tokens")
+            self._check_ids(req.tokens, "tokens")
+            text = await asyncio.to_thread(self.tokenizer.decode, req.tokens)
+            return JSONResponse({"prompt": text})
+        except Exception as e:
+            return self.error("detokenize", e)
+
+    # ---- completions ---------------------------------------------------------------------
+
+    async def create(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat_completions" if chat else "completions"
+        gens: list[Generation] = []
+        streaming = False  # the response owns the choices from then on
+        try:
+            req = await parse_body(ChatCompletionRequest if chat else CompletionRequest,
+                                   await self._body(request))
+            self.check_model(req.model)
+            needs_text = [name for name, on in (
+                ("stop", bool(req.stop_strings)), ("logprobs", req.logprob_counts()[0] is not None),
+                ("prompt_logprobs", req.prompt_logprobs is not None),
+                ("echo", not chat and bool(req.echo))) if on]
+            if needs_text:  # token texts: the first field that asks for them names the error
+                self._need_tokenizer(needs_text[0])
+            prompts = await self._prompts(req)
+            budgets = [self._max_tokens(req, len(ids)) for ids, _ in prompts]
+            check_response_size(req, [ids for ids, _ in prompts], budgets)
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            n = req.num_choices
+            wanted = self._engine_requests(req, request_id, prompts, budgets)
+            # Every choice admitted at once, or none (429 at once when they do not fit). Not
+            # under unless_disconnected: its streams would be lost with a disconnect that
+            # came as they were returned; a cancellation while it runs aborts them itself.
+            streams = await self.client.generate_many([w for w, _, _ in wanted])
+            gens = [Generation(stream, ids, TextStream(self.tokenizer, req.stop_strings),
+                               w.timing, echo_only=echo_only)
+                    for stream, (w, ids, echo_only) in zip(streams, wanted, strict=True)]
+            for i, g in enumerate(gens):
+                g.prompt_owner = gens[i - i % n]
+            await unless_disconnected(request, start_all(gens))
+            echoes = [text for _, text in prompts for _ in range(n)]
+            if req.stream:
+                body = self._stream(endpoint, req, request_id, gens, echoes)
+                streaming = True
+                return ClosingStream(body, gens, media_type="text/event-stream")
+            response = await unless_disconnected(
+                request, self.responses.complete(req, request_id, gens, echoes))
+        except ClientDisconnect:  # the engine requests were aborted; nobody reads a reply
+            self._observe(endpoint, gens)
+            return Response(status_code=499)
+        except Exception as e:
+            return self.error(endpoint, e)
+        finally:
+            if not streaming:  # also when cancelled: no choice may run on without a reader
+                await close_all(gens)
+        self._observe(endpoint, gens)
+        return JSONResponse(response.model_dump(mode="json"))
+
+    def _engine_requests(self, req, request_id: str,
+                         prompts: list[tuple[list[int], str | None]], budgets: list[int]
+                         ) -> list[tuple[EngineRequest, list[int], bool]]:
+        """One engine request per choice, prompt-major: (the request, its prompt ids, whether
+        it only echoes the prompt)."""
+        n = req.num_choices
+        wanted: list[tuple[EngineRequest, list[int], bool]] = []
+        for (ids, _), budget in zip(prompts, budgets, strict=True):
+            base = req.sampling_params(max(budget, 1), self.defaults)
+            for j in range(n):  # with a seed, choice j samples with seed + j
+                params = base if base.seed is None else \
+                    dataclasses.replace(base, seed=base.seed + j)
+                if j and params.prompt_logprobs is not None:  # the first choice's serve all
+                    params = dataclasses.replace(params, prompt_logprobs=None)
+                engine_id = request_id if len(prompts) * n == 1 else \
+                    f"{request_id}-{len(wanted)}"
+                wanted.append((EngineRequest(engine_id, ids, params, RequestTiming()), ids,
+                               budget == 0))
+        return wanted
+
+    async def _stream(self, endpoint: str, req, request_id: str, gens: list[Generation],
+                      echoes: list[str | None]) -> AsyncIterator[str]:
+        failed = False
+        try:
+            async with aclosing(self.responses.events(req, request_id, gens, echoes)) as events:
+                async for event in events:
+                    yield event
+        except Exception as e:  # headers are sent: report in-band, as OpenAI does
+            failed, err = True, as_request_error(e)
+            self.metrics.observe_error(endpoint, err.status)
+            yield sse(err.body())
+            yield sse("[DONE]")
+        finally:  # also on client disconnect (cancellation): the engine requests were aborted
+            if not failed:
+                self._observe(endpoint, gens)
+
+    def _observe(self, endpoint: str, gens: list[Generation]) -> None:
+        """Every choice counts as a request (an engine request each), as in vLLM."""
+        now = time.monotonic()
+        for g in gens:
+            self.metrics.observe_request(endpoint, g.finish_reason or "abort",
+                                         len(g.prompt_ids), g.completion_tokens, g.timing, now)
