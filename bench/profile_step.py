@@ -20,9 +20,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.engine import Batch
 from bench.floors import sync
 from bench.random_model import add_kernel_args, build_draft, build_target, set_kernels
+from bench.steps import Batch
 from configs.presets import draft_preset, target_preset
 from draft.proposer import DraftRunner
 

@@ -41,9 +41,9 @@ def bf16_spacing(x: float) -> float:
 def last_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Target logits after `ids`, cache-free (a fresh single-sequence cache)."""
     runner = engine.executor.runner
-    model, device, page = runner.model, runner.device, engine.cfg.kv_block_size
-    pages = -(-len(ids) // page)
-    caches = allocate_target_caches(model, pages, page, 1, device)
+    model, device, page_size = runner.model, runner.device, engine.cfg.page_size
+    pages = -(-len(ids) // page_size)
+    caches = allocate_target_caches(model, pages, page_size, 1, device)
     runner = ModelRunner(model, caches, (), device)
     batch = runner._batch([SeqInput(0, ids, 0, list(range(pages)), 0, SamplingParams())], False)
     hidden, _ = model(batch, caches)
@@ -130,8 +130,8 @@ def main() -> None:
     # Two engines share one device: fixed pools (a measured one would take the whole GPU).
     pages = -(-(args.prompt_len[1] + args.max_tokens + 65) // 16)
     common = {"model": args.model, "device": args.device, "dtype": args.dtype,
-              "max_num_seqs": args.max_num_seqs, "kv_block_size": 16,
-              "num_kv_blocks": args.max_num_seqs * pages,
+              "max_num_seqs": args.max_num_seqs, "page_size": 16,
+              "num_pages": args.max_num_seqs * pages,
               "kernel_overrides": args.kernel_overrides}
     spec = LLMEngine(EngineConfig(draft_model=args.draft_model, block_size=args.block_size,
                                   **common))

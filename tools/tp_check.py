@@ -37,7 +37,7 @@ from target.loader import load_target
 from workers.cache import allocate_target_caches
 from workers.model_runner import ModelRunner, SeqInput
 
-PAGE = 16
+PAGE_SIZE = 16
 BLOCK = 16  # verify width
 KEPT_EVERY = 3  # after the first verify sequence i keeps 1 + (i · 3) mod BLOCK tokens
 
@@ -52,9 +52,9 @@ def _free_port() -> int:
 def scenario(model, device: torch.device, prompt_lens: list[int], vocab: int) -> dict:
     """Batched prefill → verify BLOCK each → commit a different prefix each → verify again.
     Logits of the prefill's last rows and of every verify row, fp32 on the CPU."""
-    pages = -(-(max(prompt_lens) + 2 * BLOCK) // PAGE)
+    pages = -(-(max(prompt_lens) + 2 * BLOCK) // PAGE_SIZE)
     n = len(prompt_lens)
-    caches = allocate_target_caches(model, n * pages, PAGE, n, device)
+    caches = allocate_target_caches(model, n * pages, PAGE_SIZE, n, device)
     runner = ModelRunner(model, caches, (), device)
     gen = torch.Generator().manual_seed(7)
     tables = [list(range(i * pages, (i + 1) * pages)) for i in range(n)]

@@ -11,9 +11,9 @@ In a profile of a decode step on an H200 the round's gathers and scatters of the
 kernel reads state_cache[slots[s]] itself and, where asked, writes the final state back to
 the same place: the recurrent state's gathers and scatters go. `commit_conv` writes the conv
 states (C·(K−1) values per sequence) the same way, one launch for the gather and the indexed
-store torch needs. Measured on an H200 (2026-12-05, docs/BENCHMARKS.md): the in-place
-recurrence took 0.5–0.7 ms off a batch-1 decode and 1.5–3 ms off a 16-token verify; the
-conv commit is not yet measured.
+store torch needs. On an H200 (docs/BENCHMARKS.md) the in-place
+recurrence takes 0.5–0.7 ms off a batch-1 decode and 1.5–3 ms off a 16-token verify; the
+conv commit's share is not measured on its own.
 
   Grid (S·Hv, cdiv(Dv, BLOCK_V)): a program owns one sequence's value head and BLOCK_V of its
   value columns, keeps that [Dk, BLOCK_V] fp32 tile of the state in registers over the L

@@ -7,9 +7,9 @@ descending order with their expert ids.
 It replaces `fused.moe_route` on CUDA when KernelConfig.moe_routing is "triton" or "auto"
 (the default). Compiled, that function still leaves torch.topk's own kernels beside the
 softmax's: in the H200 decode profile (docs/BENCHMARKS.md) routing took ~0.4 ms of a 6 ms
-step over 40 layers, 4–5 launches of 1–6 µs per layer. Against it, this kernel won the
-decode at batch 1 and 8 and the batch-1 verify on the H200 (docs/BENCHMARKS.md, ninth
-session), and became the default.
+step over 40 layers, 4–5 launches of 1–6 µs per layer. Against it, this kernel is faster
+at the decode at batch 1 and 8 and at the batch-1 verify on an H200 (docs/BENCHMARKS.md,
+Decisions).
 
 Each token's result depends on its own row only, so a token alone and inside a batch get the
 same bits. Against fused.moe_route the weights agree to fp32 rounding (the sums run in

@@ -57,20 +57,20 @@ class PairBlocks:
 
 
 # The launch shape: BLOCK_N 16 rows × BLOCK_K 256, 4 warps, for both kernels. In the sweep of
-# bench/moe_kernel.py on an H200 (2026-12-04, real sizes, CUDA-graph replay) it was the fastest
-# of five shapes at 4, 8, 16 and 32 tokens and within 11 % of the fastest at 1 and 2, ahead
-# of the earlier per-step heuristic everywhere (28 against 33 µs at 1 token, 39 against 59 at
-# 2, 194 against 202 at 16). ptxas for sm90 (Triton 3.9, bf16): gate_up 134 registers, no
-# spills; 16-byte weight loads. Prefetch keeps the bits and was faster at every token count
-# of the later sweep (1-16; docs/BENCHMARKS.md).
+# bench/moe_kernel.py on an H200 (real sizes, CUDA-graph replay) it is the fastest of five
+# shapes at 4, 8, 16 and 32 tokens and within 11 % of the fastest at 1 and 2, and ahead of a
+# per-step choice of shape everywhere (28 against 33 µs at 1 token, 39 against 59 at 2, 194
+# against 202 at 16). ptxas for sm90 (Triton 3.9, bf16): gate_up 134 registers, no
+# spills; 16-byte weight loads. Prefetch keeps the bits and is faster at every token count
+# from 1 to 16 (docs/BENCHMARKS.md).
 _BLOCK_N, _BLOCK_K, _NUM_WARPS = 16, 256, 4
 _PREFETCH = True
 # The most (token, slot) pairs FusedExperts sends here rather than to the sorted-pair block
 # GEMMs (target/kernels/moe_sorted.py): decode at batch 1 and 2 (8 experts per token on
-# Qwen3.5-35B-A3B). bench/moe_kernel.py on an H200 (2026-12-05, CUDA graphs, default shapes):
+# Qwen3.5-35B-A3B). bench/moe_kernel.py on an H200 (CUDA graphs, default shapes):
 # pairs 70 against sorted 76 µs at 1 token and 87 against 92 at 2, even at 4 and 8, behind
 # from 12 on (209 against 203; 251 against 234 at 16); bench/engine.py's decode at batch 1
-# took 4.68-4.71 ms with pairs and 4.99-5.01 with sorted (docs/BENCHMARKS.md).
+# takes 4.68-4.71 ms with pairs and 4.99-5.01 with sorted (docs/BENCHMARKS.md).
 PAIR_MAX = 16
 
 

@@ -1,4 +1,4 @@
-"""tools/ab_tree.sh: a commit's packages copied beside the working tree, then bench/engine.py
+"""tools/gpu/ab_tree.sh: a commit's packages copied beside the working tree, then bench/engine.py
 run in each tree in turn (tiny preset, CPU), each run importing its own tree's code."""
 
 import json
@@ -14,7 +14,7 @@ def test_a_commit_runs_against_the_working_tree_in_turn(tmp_path):
     base, out = tmp_path / "base", tmp_path / "out"
     env = {**os.environ, "AB_BASE": str(base), "OUT": str(out), "ROUNDS": "1",
            "AB_TIMEOUT": "280", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    prep = subprocess.run(["bash", "tools/ab_tree.sh", "prepare", "HEAD"], cwd=ROOT, env=env,
+    prep = subprocess.run(["bash", "tools/gpu/ab_tree.sh", "prepare", "HEAD"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert prep.returncode == 0, prep.stderr
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -26,7 +26,7 @@ def test_a_commit_runs_against_the_working_tree_in_turn(tmp_path):
     main = 'if __name__ == "__main__":'
     marked.write_text(marked.read_text().replace(main, f'print("| from the base tree |")\n{main}'))
     run = subprocess.run(
-        ["bash", "tools/ab_tree.sh", "run", "--", "--random-weights", "--preset", "tiny",
+        ["bash", "tools/gpu/ab_tree.sh", "run", "--", "--random-weights", "--preset", "tiny",
          "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "--block-sizes", "4",
          "--prompt-len", "16", "--iters", "2", "--warmup", "1", "--no-baseline"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

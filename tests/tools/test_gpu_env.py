@@ -1,4 +1,4 @@
-"""tools/device_env.sh's REQUIRE_GPU: a GPU check script stops before any work on the wrong
+"""tools/gpu/env.sh's REQUIRE_GPU: a GPU check script stops before any work on the wrong
 card (or none), and goes on where the card's name matches (nvidia-smi stubbed)."""
 
 import os
@@ -22,7 +22,7 @@ def source(tmp_path, require: str | None, gpu_name: str | None) -> subprocess.Co
     env["PATH"] = f"{bin_dir}:/usr/bin:/bin"
     if require is not None:
         env["REQUIRE_GPU"] = require
-    return subprocess.run(["bash", "-c", f". {ROOT / 'tools/device_env.sh'}; echo went on"],
+    return subprocess.run(["bash", "-c", f". {ROOT / 'tools/gpu/env.sh'}; echo went on"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
 
 

@@ -1,4 +1,4 @@
-"""tools/slim_wheel.py: a wheel repacked without the given paths, its RECORD with them, the
+"""tools/gpu/slim_wheel.py: a wheel repacked without the given paths, its RECORD with them, the
 rest byte for byte, and still installable by pip."""
 
 import subprocess
@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from tools import slim_wheel
+from tools.gpu import slim_wheel
 
 FILES = {
     "ray/__init__.py": b"VERSION = 1\n",

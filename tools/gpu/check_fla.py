@@ -1,6 +1,6 @@
-"""One-off numerical check of the CUDA (fla) Gated DeltaNet path against the torch reference.
+"""The numerical check of the CUDA (fla) Gated DeltaNet path against the torch reference.
 
-    python -m tools.gpu_check_fla --target DIR [--draft DIR]
+    python -m tools.gpu.check_fla --target DIR [--draft DIR]
 
 1. Kernel level: fla chunk / fused-recurrent vs the torch recurrence on random inputs with a
    random initial state (fp32 and bf16), relative error of outputs and final states.

@@ -1,11 +1,11 @@
-# Sourced by the GPU check scripts, from the repository root: the wheels in .whl/ (fla, Ray
-# Serve, the openai client, dflash: `pip download --no-deps -d .whl …` on a machine with pip;
-# `python -m tools.slim_wheel .whl/ray-*.whl` keeps Ray's within a device call's size limit)
-# installed into
-# /tmp/site for a GPU host without package access, on PYTHONPATH with the repository; and the
-# helpers below that the scripts share.
+# Sourced by the GPU check scripts, from the repository root. On a GPU host without package
+# access, put the wheels the checks need in .whl/ (`pip download --no-deps -d .whl …` on a
+# machine with pip; `python -m tools.gpu.slim_wheel .whl/ray-*.whl` drops the parts of Ray's
+# wheel a check never imports, where the copy to the host is limited in size): they are
+# installed into /tmp/site and put on PYTHONPATH with the repository. Then the helpers below
+# that the scripts share.
 # REQUIRE_GPU=NAME (e.g. H200): stop at once, status 3, where no GPU's name holds NAME, before
-# the wheels or any work, so that a device call that got another card costs only its start.
+# the wheels or any work (figures meant for one card are not taken on another).
 if [ -n "${REQUIRE_GPU:-}" ] && ! nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null \
     | grep -q -- "$REQUIRE_GPU"; then
   echo "REQUIRE_GPU=$REQUIRE_GPU: this machine has $(nvidia-smi -L 2>/dev/null || echo 'no GPU')" >&2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU fast path on one GPU host without package access, in parts (default: all), results
+# The GPU fast path on one GPU host, in parts (default: tests profile golden bench), results
 # under $OUT:
 #   tests    every `gpu` test of the engine (kernels against their references, CUDA graphs,
 #            bench.engine's device share of a step)
@@ -14,54 +14,29 @@
 #            --steps 10 --repeats 3": three runs' kernels, each over fresh caches and graphs)
 #   golden   the golden invariant on CUDA with graphs on (fp32 and bf16, 100 prompts;
 #            GOLDEN_KERNELS: kernel overrides, field=value[,…], e.g. pdl=off)
-#   bench    bench/engine.py on the real 35B-A3B architecture with random weights
-#   nofuse   the same without the compiled elementwise chains (--no-fuse), B = 16, no baseline
-#   moe      bench/moe_kernel.py: the pair GEMVs and the sorted-pair block GEMMs (a few launch
-#            shapes each, the pairs' with and without prefetch) against the grouped GEMMs,
-#            1-128 tokens (MOE_ARGS: more arguments, e.g. "--kinds pair --tokens 1 2 4")
+#   bench    bench/engine.py on the real 35B-A3B architecture with random weights, batch 1, 8
+#            and 32, B = 8 and 16, 512 tokens of context, against the floors and transformers
+#   variants bench/engine.py in one process: the default kernels, then each of VARIANTS
+#            (KernelConfig fields, e.g. "pdl=off pdl=on"; the defaults again give the
+#            same-run spread), at LENS tokens of context (default 512) and BATCHES (default
+#            1 8), B = 16; a second table gives each run's clocks, temperature, power and
+#            the caching allocator's state, before and after its timings
+#   moe      bench/moe_kernel.py: the pair GEMVs and the sorted-pair block GEMMs against the
+#            grouped GEMMs, 1-128 tokens (MOE_ARGS: more arguments, e.g. "--kinds pair")
 #   linear   bench/linear_kernel.py: each dense projection, and each group that reads the same
 #            input as one GEMM, 1-16 rows
-#   longab   bench/engine.py at batch 1, B = 16, at 512 and 131,072 tokens of context (AB_LENS:
-#            others, in the order given), in one process: the defaults, then each of
-#            AB_VARIANTS (KernelConfig fields; by default PDL off and on alternately, pdl=off
-#            pdl=on (the defaults again) pdl=off: a process's later contexts ran up to 0.19 ms
-#            slower than its first on an H100, so an A/B alternates; a second table gives each
-#            run's SM and memory clocks, temperature, power and the caching allocator's
-#            reserved GiB and segments, before and after its timings)
-#   procs    bench/engine.py with the defaults alone at batch 1, B = 16, at AB_LENS (default
-#            131,072), PROCS separate processes in turn (default 3), 20 steps each: a
-#            figure from each process's first run, the one a server's start gives, and each
-#            step's ms in the JSON (the spread within a run against the spread between runs;
-#            PROCS_ENV: environment for them, e.g.
-#            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"; PROCS_TAG: in the files'
-#            names, so that a second set does not overwrite the first)
-#   gdn      bench/gdn_kernel.py: the GDN recurrence by slot at five launch shapes, and the
-#            torch / Triton prologue and output norm, at decode and a B = 16 verify and its
-#            commit, 1 and 8 sequences
-#   attnsweep bench/round_attention.py: the Triton attention with the engine's adaptive splits
-#            (split² ≥ 4 · keys, at most 256), at most 128 and 32 splits alone, and the fixed
-#            split, at 512 to 128k keys, 1 and 8 sequences, 1 and 16 queries (CUDA-graph replays)
-#   attnlong bench/round_attention.py at 32k and 128k keys, 1 and 8 sequences, 1 and 16
-#            queries: the engine's launch (16-row tiles for the launches whose rows fit, a
-#            decode's; 32-row mma.sync tiles for the rest, a verify block's) against 32-row
-#            tiles for all, and against 64- and 128-row tiles in 8 warps for the rest (wgmma
-#            on sm90; the fifteenth session's sweep of one-field changes is in
-#            docs/BENCHMARKS.md)
-#   midctx   bench/engine.py at 8,192 tokens of context, batch 1 and 8, B = 16, in one process:
-#            the defaults twice (the same-run spread), where the attention's split rule and the
-#            draft's context attention weigh more than at 512
-#   variants bench/engine.py at batch 1 and 8, B = 16, in one process: the default kernels, then
-#            each kernel variant (VARIANTS, KernelConfig fields; by default the two Triton
-#            prologues taken back: both, then each alone), then the defaults again (the spread)
-# Usage: pip download --no-deps -d .whl flash-linear-attention fla-core   (on a machine with pip)
-#        pip download --no-deps dflash==0.1.0 -d .whl   (the tests' reference draft)
-#        pip download --no-deps nvidia-ml-py -d .whl   (NVML for bench.engine's gpu_state)
-#        OUT=/some/dir bash tools/gpu_fastpath_check.sh [tests profile golden bench]
+#   gdn      bench/gdn_kernel.py: the GDN recurrence by slot, and the torch / Triton prologue
+#            and output norm, at decode and a B = 16 verify and its commit, 1 and 8 sequences
+#   attention bench/round_attention.py: the Triton split-keys attention against the gathered
+#            pages at 512 to 128k keys, 1 and 8 sequences, 1 and 16 queries
+# Needs: a CUDA GPU; fla (flash-linear-attention, fla-core), dflash==0.1.0 (the tests'
+# reference draft) and nvidia-ml-py (bench.engine's clock readings) importable, or their wheels
+# in .whl/ on a host without package access (tools/gpu/env.sh installs them).
+#        OUT=/some/dir bash tools/gpu/fastpath.sh [PART…]
 # (each part's timeout: TESTS_TIMEOUT, PROFILE_TIMEOUT, GOLDEN_TIMEOUT, BENCH_TIMEOUT seconds)
-# (the device tool: carry .whl)
 set -u
-OUT=${OUT:-/tmp/gpu_fastpath_check}; mkdir -p "$OUT"
-. tools/device_env.sh  # .whl/ → /tmp/site, PYTHONPATH
+OUT=${OUT:-/tmp/gpu_fastpath}; mkdir -p "$OUT"
+. tools/gpu/env.sh  # .whl/ → /tmp/site, PYTHONPATH
 python3 -c "import fla" 2>/dev/null || echo "WARNING: fla missing: GDN runs the torch reference"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 parts=${*:-tests profile golden bench}
@@ -113,11 +88,6 @@ bench)
     --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 32 --block-sizes 8 16 \
     --prompt-len 512 --iters 10 --warmup 3 --out "$OUT/engine.json" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log" | grep -v "falling back" | tail -8 ;;
-nofuse)
-  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights --no-fuse \
-    --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 32 --block-sizes 16 --no-baseline \
-    --prompt-len 512 --iters 10 --warmup 3 --out "$OUT/engine_nofuse.json" 2>&1 \
-    | tee "$OUT/bench_nofuse.log" | grep -v "falling back" | tail -6 ;;
 moe)
   timeout ${MOE_TIMEOUT:-240} python3 -m bench.moe_kernel --device cuda --out "$OUT/moe_kernel.json" \
     ${MOE_ARGS:-} 2>&1 | tee "$OUT/moe_kernel.log" | tail -40 ;;
@@ -125,49 +95,18 @@ linear)
   timeout ${LINEAR_TIMEOUT:-180} python3 -m bench.linear_kernel --device cuda --iters 10 \
     --out "$OUT/linear_kernel.json" 2>&1 | tee "$OUT/linear_kernel.log" \
     | grep -E "^device|(2048×4096|2048×512).*\| (1|16) \|" ;;
-longab)
-  timeout ${BENCH_TIMEOUT:-540} python3 -m bench.engine --random-weights \
-    --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 --block-sizes 16 --no-baseline \
-    --prompt-len ${AB_LENS:-512 131072} --iters 5 --warmup 2 \
-    --variants ${AB_VARIANTS:-pdl=off pdl=on pdl=off} \
-    --out "$OUT/engine_longab.json" 2>&1 | tee "$OUT/engine_longab.log" \
-    | grep -v "falling back" | grep "^|" ;;
-procs)
-  for i in $(seq 1 ${PROCS:-3}); do
-    env ${PROCS_ENV:-} timeout ${BENCH_TIMEOUT:-200} python3 -m bench.engine --random-weights \
-      --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 --block-sizes 16 --no-baseline \
-      --prompt-len ${AB_LENS:-131072} --iters 20 --warmup 3 \
-      --out "$OUT/engine_proc${PROCS_TAG:-}$i.json" 2>&1 \
-      | tee "$OUT/engine_proc${PROCS_TAG:-}$i.log" \
-      | grep -v "falling back" | grep "^| baseline"
-  done ;;
 gdn)
   timeout ${GDN_TIMEOUT:-240} python3 -m bench.gdn_kernel --device cuda \
     --out "$OUT/gdn_kernel.json" 2>&1 | tee "$OUT/gdn_kernel.log" | tail -40 ;;
-attnsweep)  # "triton" is the engine's launch (adaptive splits); the --launch fields end in
-  # max_splits (0: the fixed 1024-key split) and split_ratio (0: none)
-  timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention \
-    --keys 512 2048 8192 32768 131072 --seqs 1 8 --widths 1 16 --forms triton \
-    --launch 1024,32,64,4,2,32,0,0 1024,32,64,4,2,32,128,0 1024,32,64,4,2,32,32,0 \
-    --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -20 ;;
-attnlong)  # the --launch fields: split, rows, keys per step, warps, stages, merge chunk,
-  # max_splits, split_ratio, small_rows (the engine's: 1024,32,64,4,2,32,256,4,16)
-  timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention \
-    --keys 32768 131072 --seqs 1 8 --widths 1 16 --forms triton \
-    --launch 1024,32,64,4,2,32,256,4,0 1024,64,64,8,2,32,256,4,16 \
-    1024,128,64,8,2,32,256,4,16 \
-    --out "$OUT/round_attention_long.json" 2>&1 | tee "$OUT/round_attention_long.log" | tail -20 ;;
-midctx)
-  timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
-    --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
-    --prompt-len 8192 --iters 5 --warmup 2 --variants moe=auto \
-    --out "$OUT/engine_midctx.json" 2>&1 | tee "$OUT/engine_midctx.log" \
-    | grep -v "falling back" | tail -8 ;;
 variants)
   timeout ${BENCH_TIMEOUT:-420} python3 -m bench.engine --random-weights \
-    --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16 --no-baseline \
-    --prompt-len 512 --iters 10 --warmup 3 \
-    --variants ${VARIANTS:-attention_prologue=torch,gdn_prologue=torch attention_prologue=torch gdn_prologue=torch moe=auto} \
+    --preset qwen3.5-35b-a3b --device cuda --batch-sizes ${BATCHES:-1 8} --block-sizes 16 \
+    --no-baseline --prompt-len ${LENS:-512} --iters ${ITERS:-10} --warmup 3 \
+    --variants ${VARIANTS:?VARIANTS: KernelConfig fields, e.g. "pdl=off pdl=on"} \
     --out "$OUT/engine_variants.json" 2>&1 | tee "$OUT/engine_variants.log" \
-    | grep -v "falling back" | tail -12 ;;
+    | grep -v "falling back" | grep "^|" ;;
+attention)
+  timeout ${ATTN_TIMEOUT:-300} python3 -m bench.round_attention \
+    --keys 512 2048 8192 32768 131072 --seqs 1 8 --widths 1 16 \
+    --out "$OUT/round_attention.json" 2>&1 | tee "$OUT/round_attention.log" | tail -20 ;;
 esac; done

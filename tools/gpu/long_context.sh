@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Long context on one GPU host without package access (the lent H200), in parts (default:
-# all), results under $OUT:
+# Long context on one GPU host (an H200's memory holds the 252k-token prompt), in parts
+# (default: all), results under $OUT:
 #   tests   the GPU tests of tests/target/test_long_context.py (the flash path with its
 #           log-sum-exp on CUDA, a prompt in chunks against one piece through fla)
 #   kernels the Triton split-keys attention's GPU tests; bench/round_attention.py (gathered
@@ -11,12 +11,12 @@
 #           draft, --max-model-len 262144 --max-num-seqs 8, then bench/long_prompts.py: 32k,
 #           128k and 252k-token prompts one after the other, then a 128k one with 4 short
 #           streams beside it
-# Usage: the wheels of fla, Ray Serve and the openai client (pip download --no-deps) into
-#        .whl/; the device tool: carry .whl
-#        OUT=/some/dir bash tools/gpu_long_context_check.sh [tests bench serve]
+# Needs: fla, Ray Serve and the openai client importable, or their wheels in .whl/ on a host
+#        without package access (pip download --no-deps; tools/gpu/env.sh installs them)
+#        OUT=/some/dir bash tools/gpu/long_context.sh [tests bench serve]
 set -u
-OUT=${OUT:-/tmp/gpu_long_context_check}; mkdir -p "$OUT"
-. tools/device_env.sh
+OUT=${OUT:-/tmp/gpu_long_context}; mkdir -p "$OUT"
+. tools/gpu/env.sh
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 parts=${*:-kernels tests bench serve}
 for part in $parts; do case $part in

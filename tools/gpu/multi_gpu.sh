@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallelism and a separate draft on one host with several GPUs and no package access,
-# in parts (default: all), results under $OUT:
+# Tensor parallelism and a separate draft on one host with several GPUs, in parts (default: all), results under $OUT:
 #   tests   the GPU cluster tests: TP 2/4 over NCCL and a draft on its own GPU give target-only
 #           greedy tokens (fp32, tiny pair), and the aux transports
 #   tpcheck tools/tp_check: TP-N logits against TP 1 on the real 35B-A3B architecture (bf16)
@@ -8,20 +7,22 @@
 #           all-reduce per call against the bus bandwidth), and TP 1 with the draft on its own GPU
 #   hops    bench/aux_transport.py: the CUDA-IPC ring against the NCCL pair (reader on cuda:1)
 #   serve   `dflash-serve serve --tp 2` on the tiny pair, one completion and the metrics
-# Usage: the wheels of fla and Ray Serve in .whl/ (pip download --no-deps)
-#        OUT=/some/dir bash tools/multi_gpu_check.sh [tests tpcheck bench hops serve]
+# Needs: fla and Ray Serve importable, or their wheels in .whl/ (tools/gpu/env.sh)
+#        OUT=/some/dir bash tools/gpu/multi_gpu.sh [tests tpcheck bench hops serve]
 # (each part's timeout: TESTS_TIMEOUT, TPCHECK_TIMEOUT, BENCH_TIMEOUT, HOPS_TIMEOUT seconds)
 set -u
-OUT=${OUT:-/tmp/multi_gpu_check}; mkdir -p "$OUT"
-. tools/device_env.sh  # .whl/ → /tmp/site, PYTHONPATH
+OUT=${OUT:-/tmp/gpu_multi}; mkdir -p "$OUT"
+. tools/gpu/env.sh  # .whl/ → /tmp/site, PYTHONPATH
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false
-export NCCL_NVLS_ENABLE=0  # NVLink multicast off (the device notes ask for it)
+# NVLink multicast off: on hosts whose GPUs are shared, a program using it can take the GPUs
+# out of service; the engine's all-reduces do not need it
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NCCL_DEBUG=${NCCL_DEBUG:-INFO} NCCL_DEBUG_SUBSYS=${NCCL_DEBUG_SUBSYS:-INIT}  # transports
 ngpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 sizes=$(for t in 2 4 8; do [ "$t" -le "$ngpu" ] && printf '%s ' "$t"; done)
 parts=${*:-tests tpcheck bench hops serve}
-. tools/serve_smoke.sh
+. tools/gpu/serve_smoke.sh
 
 for part in $parts; do case $part in
 tests)

@@ -1,25 +1,24 @@
 #!/usr/bin/env bash
-# The served path against the engine on one GPU host without package access (the lent H200),
-# in parts (default: all), results under $OUT:
+# The served path against the engine on one GPU host, in parts (default: all), results under $OUT:
 #   tests    the GPU tests of the cluster path (CUDA-IPC ring with its release counter, the
 #            engine on Ray actors over the control channel), the CUDA graph runners, the channel
 #   inproc   bench/engine.py in process: batch 1 and 8, B = 16, real 35B-A3B shapes, dummy weights
 #   inproc_torch  the same with --attention torch (the paged attention's baseline)
 #   cluster  the same through the cluster path (--tp 1: Ray actors, step loops, the channel)
-#   hops     bench/control_plane.py on the tiny pair: each hop of the control plane
 #   serve    `dflash-serve serve --load-format dummy` on the 35B-A3B architecture (the tiny
 #            demo's tokenizer), without a draft (AR) and with one (DFlash, B = 16), each measured
 #            by bench/serving.py at concurrency 1 and 8 (512-token prompts, 128 tokens)
-# Usage: the wheels of fla, Ray Serve and the openai client (pip download --no-deps) in
-#        .whl/; the device tool: carry .whl. bench/serving.py needs the client's own: openai,
-#        httpx2, httpcore2, truststore, jiter, sniffio, h11, distro, prometheus_client
-#        OUT=/some/dir bash tools/gpu_control_plane_check.sh [tests inproc cluster hops serve]
+# Needs: fla, Ray Serve and the openai client importable, or their wheels in .whl/ on a host
+#        without package access (pip download --no-deps; tools/gpu/env.sh installs them);
+#        bench/serving.py needs the client's own: openai, httpx2, httpcore2, truststore,
+#        jiter, sniffio, h11, distro, prometheus_client
+#        OUT=/some/dir bash tools/gpu/served_path.sh [tests inproc inproc_torch cluster serve]
 # (timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SERVE_TIMEOUT seconds; BENCH_ITERS, SERVE_PROMPTS;
 #  SERVE_ONLY=spec skips the AR server; SERVE_ARGS adds serve flags, e.g. "--max-model-len 32768"
 #  where the model's full context does not fit the card, as on an 80 GB H100)
 set -u
-OUT=${OUT:-/tmp/gpu_control_plane_check}; mkdir -p "$OUT"
-. tools/device_env.sh  # .whl/ → /tmp/site, PYTHONPATH
+OUT=${OUT:-/tmp/gpu_served_path}; mkdir -p "$OUT"
+. tools/gpu/env.sh  # .whl/ → /tmp/site, PYTHONPATH
 export RAY_USAGE_STATS_ENABLED=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, ray, fla; print('torch', torch.__version__, 'ray', ray.__version__)" \
@@ -49,7 +48,7 @@ serve_and_measure() {  # name, extra serve flags
   grep -v "NCCL INFO" "$OUT/serve_$name.log" | grep -iE "warm-up|error|Traceback" | tail -3
 }
 
-parts=${*:-tests inproc cluster hops serve}
+parts=${*:-tests inproc cluster serve}
 for part in $parts; do case $part in
 tests)
   gpu_pytest ${TESTS_TIMEOUT:-300} -q -p no:cacheprovider -rfE --tb=short \
@@ -66,14 +65,6 @@ cluster)
   timeout ${BENCH_TIMEOUT:-300} python3 -m bench.engine $BENCH --tp 1 \
     --out "$OUT/engine_tp1.json" 2>&1 | tee "$OUT/bench_tp1.log" | grep -v "falling back" \
     | tail -5 ;;
-hops)
-  timeout 200 python3 -m bench.control_plane --model tests/assets/tiny/target \
-    --draft tests/assets/tiny/draft --tp 1 --device cuda --iters 200 \
-    --out "$OUT/control_plane.json" > "$OUT/control_plane.log" 2>&1 || tail -20 "$OUT/control_plane.log"
-  python3 -c "
-import json; r = json.load(open('$OUT/control_plane.json'))['results']
-for g in r.values():
-    for k, v in g.items(): print(f'{k:24s} {v[\"median_ms\"]:8.3f} ms  (p90 {v[\"p90_ms\"]:.3f})')" ;;
 serve)
   [ "${SERVE_ONLY:-}" = spec ] || serve_and_measure ar
   serve_and_measure spec --draft-model /tmp/dummy_35b/draft --speculative-dflash-block-size 16 ;;

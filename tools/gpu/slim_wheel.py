@@ -1,12 +1,12 @@
-"""A wheel repacked without the paths a GPU run never imports, so that the wheels a device
-call carries (`.whl/`) fit the device tool's limit on what a call takes along (64 MB,
-working tree included). Ray's wheel is most of that: without its RLlib, its LLM library
+"""A wheel repacked without the paths a GPU check never imports, for hosts without package
+access where what is copied over with the working tree (`.whl/`) is limited in size. Ray's
+wheel is most of that: without its RLlib, its LLM library
 and the dashboard's JavaScript and media it is about 5 MB smaller. The dashboard's build
 directory and its index.html stay (the dashboard refuses to start without them), and each
 removed file leaves the wheel's RECORD too.
 
-    python -m tools.slim_wheel .whl/ray-*.whl            # Ray's default paths, in place
-    python -m tools.slim_wheel WHEEL --drop pkg/sub ...  # other paths (prefixes in the wheel)
+    python -m tools.gpu.slim_wheel .whl/ray-*.whl            # Ray's default paths, in place
+    python -m tools.gpu.slim_wheel WHEEL --drop pkg/sub ...  # other paths (prefixes in the wheel)
 
 Prints the wheel's size before and after."""
 
