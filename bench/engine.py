@@ -11,8 +11,8 @@ step for each B (random drafts), the draft's proposal for each B, one whole roun
 verify + context write), and the floor of each step (bytes moved / bandwidth measured here).
 At batch 1 also transformers' `Qwen3_5MoeForCausalLM` decoding over the same weights. The
 projected DFlash speedup is τ · (t_decode + o_AR) / (t_round(B) + o_round) for each τ, where o
-is the engine's host bookkeeping per step measured with instant runners (bench/
-engine_overhead.py). Medians over --iters; every step's time is in the JSON too. With CUDA
+is the engine's host bookkeeping per step measured with instant runners (`engine_overhead_ms`).
+Medians over --iters; every step's time is in the JSON too. With CUDA
 graphs each run ends by replaying its captured decode and verify back to back (with their
 logits and argmax, no host work between): the "GPU ms" columns, the device's share of the
 step; the rest of the step's time the GPU waits on the host.
@@ -29,11 +29,11 @@ import gc
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from bench.engine_overhead import engine_overhead_ms
 from bench.floors import cache_bytes, measure_bandwidth, record_routing, sync, weight_bytes
 from bench.random_model import (
     add_kernel_args,
@@ -43,142 +43,15 @@ from bench.random_model import (
     set_kernels,
     transformers_twin,
 )
+from bench.steps import Batch, time_steps
 from bench.timing import sample_times
-from cluster.engine import EnginePlan
+from cluster.engine import EnginePlan, LLMEngine
 from cluster.executor import LocalExecutor
-from configs.engine import SamplingParams
+from configs.engine import EngineConfig, SamplingParams
 from configs.presets import draft_preset, target_preset
 from draft.proposer import DraftRunner
-from workers.cache import allocate_target_caches
-from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, num_scratch_pages
-from workers.messages import NewSeq, StepKind, StepMsg, StepResult
-from workers.model_runner import ModelRunner
-
-GREEDY = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
-SEQ_ID_BASE = 1 << 30  # the bench's sequence ids (clear of any engine's warm-up ids)
-
-
-class Batch:
-    """b sequences (seq i in state slot i, pages i·P … (i+1)·P − 1) driven through an
-    `executor` with step messages, advanced by every round the bench runs. In process the
-    executor is a LocalExecutor over a ModelRunner and a DraftRunner; through the cluster path
-    the engine's ChannelExecutor over the Ray actors: the same steps either way."""
-
-    def __init__(self, executor, b: int, prompt_len: int, max_new: int, page: int, vocab: int):
-        self.executor, self.b, self.vocab = executor, b, vocab
-        self.pages = -(-(prompt_len + max_new) // page)
-        self.tables = [list(range(i * self.pages, (i + 1) * self.pages)) for i in range(b)]
-        g = torch.Generator().manual_seed(0)
-        self.prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
-                        for _ in range(b)]
-        self.num_cached, self.anchors = [0] * b, [0] * b
-        self.seq_ids = [SEQ_ID_BASE + i for i in range(b)]
-        self.sent, self.step_id = False, 0
-        self.results: list[StepResult] = []  # every step's, with the times measured inside
-
-    @classmethod
-    def in_process(cls, target, draft_runner, aux_ids, b: int, prompt_len: int, max_new: int,
-                   page: int, device: torch.device, cuda_graphs: bool = False) -> Batch:
-        pages = -(-(prompt_len + max_new) // page)
-        num_blocks = b * pages
-        scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page) if cuda_graphs else 0
-        caches = allocate_target_caches(target, num_blocks + scratch, page, b + 1, device)
-        graphs = RoundGraphs(target, caches, aux_ids, device, b, pages,
-                             list(range(num_blocks, num_blocks + scratch)), b) \
-            if cuda_graphs else None
-        runner = ModelRunner(target, caches, aux_ids, device, graphs=graphs)
-        return cls(LocalExecutor(runner, draft_runner), b, prompt_len, max_new, page,
-                   target.config.vocab_size)
-
-    def _run(self, kind: StepKind, **fields) -> StepResult:
-        new = [] if self.sent else [NewSeq(i, p, t, i - SEQ_ID_BASE, GREEDY) for i, p, t in
-                                    zip(self.seq_ids, self.prompts, self.tables, strict=True)]
-        self.sent = True
-        msg = StepMsg(self.step_id, kind, seq_ids=self.seq_ids, new_seqs=new, **fields)
-        self.step_id += 1
-        self.executor.submit(msg)
-        result = self.executor.result()
-        self.results.append(result)
-        return result
-
-    def prefill(self, chunk: int | None = None) -> StepResult:
-        """The whole prompts (again from position 0 on later calls), in steps of at most
-        `chunk` tokens over the batch as the scheduler's budget cuts them (None: one step);
-        returns the last step's result."""
-        n = len(self.prompts[0])
-        per_seq = n if chunk is None else max(1, chunk // self.b)
-        for start in range(0, n, per_seq):
-            k = min(per_seq, n - start)
-            last = start + k == n
-            out = self._run(StepKind.PREFILL, starts=[start] * self.b, chunk_lens=[k] * self.b,
-                            samples=[last] * self.b)
-        self.num_cached = [len(p) for p in self.prompts]
-        self.anchors = [t[-1] for t in out.new_tokens]
-        return out
-
-    def round(self, drafts: list[list[int]] | None = None) -> StepResult:
-        """A round; `drafts` given: verify them (the draft sits out), else the draft's."""
-        out = self._run(StepKind.ROUND, starts=list(self.num_cached),
-                        anchors=list(self.anchors), drafts=drafts)
-        for i, (toks, n) in enumerate(zip(out.new_tokens, out.num_accepted, strict=True)):
-            self.num_cached[i] += n + 1
-            self.anchors[i] = toks[-1]
-        return out
-
-    def verify(self, drafts: list[list[int]]) -> StepResult:
-        return self.round(drafts)
-
-    def propose(self) -> StepResult:
-        return self._run(StepKind.PROPOSE, starts=list(self.num_cached),
-                         anchors=list(self.anchors))
-
-    def release(self) -> None:
-        self._run(StepKind.RELEASE, released=list(self.seq_ids))
-        self.sent = False
-
-    def random_drafts(self, k: int) -> list[list[int]]:
-        return torch.randint(0, self.vocab, (self.b, k)).tolist()
-
-
-def time_steps(batch: Batch, args, sync, block_sizes: list[int],
-               set_block=None) -> dict:
-    """Median ms of each step kind over batch, as the engine's thread sees it: prefill (once,
-    after one warm-up), decode, verify per B, and the draft's proposal and a whole round per B
-    in `block_sizes` (`set_block(B)` switches the draft's B where it can; the cluster's is
-    fixed). `inside_ms`: the medians of the same steps' proposal and target step as timed
-    where they ran (in the actors, through the cluster path): the rest is the control plane."""
-    r = {"batch": batch.b, "prompt_len": args.prompt_len}
-    inside = r["inside_ms"] = {}  # where the steps ran: the draft's proposal, the target's step
-
-    # every timed step's ms, in order (wall, and where the steps ran): whether a run's median
-    # moves with all its steps or with a few slow ones
-    samples_ms = r["samples_ms"] = {}
-
-    def timed_ms(name: str, fn, warmup: int, iters: int) -> None:
-        samples, _ = sample_times(fn, iters, warmup, sync)
-        r[f"{name}_ms"] = statistics.median(samples) * 1e3
-        last = batch.results[-iters:]
-        kinds = [k for k in ("propose", "verify")
-                 if last[0] is not None and getattr(last[0], f"{k}_s") is not None]
-        inside[name] = {k: statistics.median(getattr(x, f"{k}_s") for x in last) * 1e3
-                        for k in kinds}
-        samples_ms[name] = {"wall": [round(x * 1e3, 4) for x in samples],
-                            **{k: [round(getattr(x, f"{k}_s") * 1e3, 4) for x in last]
-                               for k in kinds}}
-
-    b = batch.b
-    timed_ms("prefill", lambda: batch.prefill(args.prefill_chunk), 1, 1)
-    r["prefill_tok_per_s"] = b * args.prompt_len / r["prefill_ms"] * 1e3
-    timed_ms("decode", lambda: batch.verify([[]] * b), args.warmup, args.iters)
-    for B in args.block_sizes:
-        timed_ms(f"verify_B{B}", lambda B=B: batch.verify(batch.random_drafts(B - 1)),
-                 args.warmup, args.iters)
-    for B in block_sizes:
-        if set_block is not None:
-            set_block(B)
-        timed_ms(f"draft_B{B}", batch.propose, args.warmup, args.iters)
-        timed_ms(f"round_B{B}", batch.round, args.warmup, args.iters)
-    return r
+from workers.messages import ContextWrite, ProposeRequest
+from workers.model_runner import SeqInput, StepOutput
 
 
 @torch.inference_mode()  # as the runner's steps
@@ -228,6 +101,64 @@ def floor_ms(target, batch: Batch, step, num_tokens: int, query_len: int, bw: fl
         runner.graphs = graphs
     nbytes = weight_bytes(target, routed, num_tokens) + cache_bytes(target, ctx, query_len)
     return nbytes / bw * 1e3
+
+
+# The engine's host bookkeeping per round (scheduler, sequences, step messages, stop
+# checks, outputs), with a runner and drafter that return at once behind the in-process
+# executor: the o of the projected speedup. It measures Python, not kernels.
+
+
+class InstantRunner:
+    """Accepts `accept` drafts per round and emits token 1 (never EOS)."""
+
+    def __init__(self, accept: int):
+        self.accept = accept
+
+    def prefill(self, seqs: list[SeqInput]) -> StepOutput:
+        n = [len(s.token_ids) for s in seqs]
+        return StepOutput([[1] if s.sample else [] for s in seqs], [0] * len(seqs), n, None,
+                          torch.zeros(sum(n), dtype=torch.long))
+
+    def verify(self, seqs: list[SeqInput]) -> StepOutput:
+        k = [min(self.accept, len(s.token_ids) - 1) for s in seqs]
+        toks = [s.token_ids[1 : a + 1] + [1] for s, a in zip(seqs, k, strict=True)]
+        return StepOutput(toks, k, [a + 1 for a in k], None,
+                          torch.zeros(sum(a + 1 for a in k), dtype=torch.long))
+
+    def release(self, seq_id: int) -> None:
+        pass
+
+
+class InstantDrafter:
+    def __init__(self, block: int):
+        self.block = block
+
+    def propose(self, req: ProposeRequest) -> torch.Tensor:
+        return torch.full((len(req.anchors), self.block - 1), 2, dtype=torch.long)
+
+    def write_context(self, write: ContextWrite) -> None:
+        pass
+
+
+def engine_overhead_ms(plan: EnginePlan, batch: int, block: int, accept: int,
+                       rounds: int = 50) -> float:
+    """Median host milliseconds of one LLMEngine.step() (a round) for `batch` sequences."""
+    page_size = 16
+    plan = replace(plan, block_size=block, max_model_len=1 << 20,
+                   num_pages=batch * (-(-(64 + rounds * 4 * block) // page_size) + 1))
+    cfg = EngineConfig(model="(none)", max_num_seqs=batch, page_size=page_size,
+                       max_num_batched_tokens=1 << 20)
+    engine = LLMEngine(cfg, LocalExecutor(InstantRunner(accept), InstantDrafter(block)), plan)
+    params = SamplingParams(max_tokens=rounds * 4 * block, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(list(range(2, 66)), params, f"r{i}")
+    engine.step()  # the prefill
+    samples = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        engine.step()
+        samples.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(samples[5:])
 
 
 def bench_batch(target, draft, b: int, args, bw: float, device: torch.device,
@@ -321,8 +252,8 @@ def _memory_clock(device: torch.device) -> int:
 def gpu_state(device: torch.device) -> dict | None:
     """The GPU's SM and memory clocks (MHz), temperature (°C) and power draw (W) now, where
     NVML answers (None for a figure it cannot give), and the caching allocator's reserved GiB
-    and segments; None on CPU. A run's figures drift within a process (docs/BENCHMARKS.md,
-    eighteenth and nineteenth sessions), so each run records these before and after its
+    and segments; None on CPU. A run's figures drift within a process (docs/BENCHMARKS.md),
+    so each run records these before and after its
     timings."""
     if device.type != "cuda":
         return None

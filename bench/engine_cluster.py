@@ -6,7 +6,7 @@ prefill throughput, decode, verify for each B, the draft's proposal and a whole 
 engine's B (the largest given), and the all-reduce each decoder layer issues twice per step,
 timed on the workers' own group against the bus bandwidth measured there in the same run.
 
-Times include the control channel's hops (bench/control_plane.py times them alone).
+Times include the control channel's hops.
 `--random-weights --preset P` writes P's config.json files to a temporary directory and loads
 them with `load_format="dummy"` (target/dummy.py: the same weights at every TP size);
 `--model/--draft-model` load checkpoints. Both need every node to see the directories: run it
@@ -51,7 +51,7 @@ def run(args) -> dict:
         cfg = EngineConfig(
             model=model, draft_model=draft_model, block_size=big_block, device=args.device,
             dtype=args.dtype, max_num_seqs=big_b, max_model_len=pages * args.page_size,
-            kv_block_size=args.page_size, num_kv_blocks=big_b * pages,
+            page_size=args.page_size, num_pages=big_b * pages,
             max_num_batched_tokens=max(big_b * args.prompt_len, 8192),
             enforce_eager=args.enforce_eager, load_format=load_format,
             draft_placement=args.draft_placement, control_channel=args.control_channel,
@@ -76,7 +76,7 @@ def run(args) -> dict:
 
 
 def _bench_batch(cluster, b: int, args, max_new: int, tcfg) -> dict:
-    from bench.engine import Batch, time_steps
+    from bench.steps import Batch, time_steps
 
     batch = Batch(cluster.executor, b, args.prompt_len, max_new, args.page_size,
                   tcfg.vocab_size)

@@ -11,10 +11,10 @@ Also the floor: the bytes of K/V read once over the measured bandwidth.
         [--launch SPLIT,BM,BN,WARPS,STAGES[,CHUNK[,MAX_SPLITS[,SPLIT_RATIO[,SMALL_ROWS]]]] ...]
         [--out result.json]
 
-"triton" runs the engine's launch shape (KernelConfig.attention_launch()); --launch adds the
-Triton kernel at each given launch shape (target/kernels/attention_triton.py Launch; the last
-fields max_splits, 0 for the fixed split, split_ratio, 0 for none, and small_rows, 0 for
-none) as a form "triton_<shape>", to choose the default.
+"triton" runs the engine's launch shape (target/kernels/selection.py ATTENTION_LAUNCH); --launch
+adds the Triton kernel at each given launch shape (target/kernels/attention_triton.py Launch;
+the last fields max_splits, 0 for the fixed split, split_ratio, 0 for none, and small_rows, 0
+for none) as a form "triton_<shape>", to choose the default.
 
 Shapes: the 35B-A3B's full-attention layer at TP 1 (16 query heads over 2 kv heads of 256),
 bf16, pages of 16 in shuffled order, every sequence at the full context. Times are CUDA-graph
@@ -33,21 +33,20 @@ from pathlib import Path
 import torch
 
 from bench.timing import graphed
-from configs.kernels import KernelConfig
 from target.kernels import attention as attn
-from target.kernels import attention_triton
+from target.kernels import attention_triton, selection
 
-HEADS, KV_HEADS, DIM, PAGE = 16, 2, 256, 16
+HEADS, KV_HEADS, DIM, PAGE_SIZE = 16, 2, 256, 16
 
 
 def inputs(seqs: int, width: int, keys: int, device, dtype):
-    """q [S·W, Hq, D], the caches [S·K/page, page, Hkv, D], tables [S, K/page] (shuffled),
-    seq_lens [S] = keys."""
+    """q [S·W, Hq, D], the caches [S·K/page_size, page_size, Hkv, D], tables
+    [S, K/page_size] (shuffled), seq_lens [S] = keys."""
     g = torch.Generator(device=device).manual_seed(seqs * 7 + width + keys)
-    pages = -(-keys // PAGE)
+    pages = -(-keys // PAGE_SIZE)
     q = torch.randn(seqs * width, HEADS, DIM, device=device, generator=g).to(dtype)
-    k = torch.randn(seqs * pages, PAGE, KV_HEADS, DIM, device=device, generator=g).to(dtype)
-    v = torch.randn(seqs * pages, PAGE, KV_HEADS, DIM, device=device, generator=g).to(dtype)
+    k = torch.randn(seqs * pages, PAGE_SIZE, KV_HEADS, DIM, device=device, generator=g).to(dtype)
+    v = torch.randn(seqs * pages, PAGE_SIZE, KV_HEADS, DIM, device=device, generator=g).to(dtype)
     order = torch.randperm(seqs * pages, device=device, generator=g)
     tables = order.view(seqs, pages).to(torch.int32)
     lens = torch.full((seqs,), keys, dtype=torch.int32, device=device)
@@ -59,10 +58,10 @@ def gathered(q, k, v, tables, lens, scale):
 
 
 def triton_form(q, k, v, tables, lens, scale, launch=None):
-    """The Triton kernel at `launch`, by default the engine's (KernelConfig's splits)."""
+    """The Triton kernel at `launch`, by default the engine's (selection.ATTENTION_LAUNCH)."""
     width = q.shape[0] // tables.shape[0]
     return attention_triton.paged_attention(q, k, v, tables, lens - width, lens, scale,
-                                            launch=launch or KernelConfig().attention_launch())
+                                            launch=launch or selection.ATTENTION_LAUNCH)
 
 
 FORMS = {"gathered": gathered, "triton": triton_form}

@@ -9,11 +9,11 @@ from cluster.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, page_size: int, num_slots: int):
+    def __init__(self, num_pages: int, page_size: int, num_slots: int):
         self.page_size = page_size
-        self.free_blocks = deque(range(num_blocks))
+        self.free_blocks = deque(range(num_pages))
         self.free_slots = deque(range(num_slots))
-        self.num_blocks = num_blocks
+        self.num_pages = num_pages
         self.num_slots = num_slots
 
     def pages_needed(self, num_positions: int) -> int:
@@ -36,4 +36,4 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free_blocks) / self.num_blocks
+        return 1.0 - len(self.free_blocks) / self.num_pages

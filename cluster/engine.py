@@ -101,7 +101,7 @@ class LLMEngine:
         self.has_draft = self.draft_config is not None
         self.block_size = self.plan.block_size
         self.max_model_len = self.plan.max_model_len
-        self.blocks = BlockManager(self.plan.num_kv_blocks, cfg.kv_block_size, cfg.max_num_seqs)
+        self.blocks = BlockManager(self.plan.num_pages, cfg.page_size, cfg.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, self.max_model_len,
                                    lookahead=self.block_size,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
@@ -324,10 +324,10 @@ class LLMEngine:
         stats = (self.stats, self.draft_time, self.verify_time)
         t, first_step, requests = time.perf_counter(), self.num_steps, 0
         on_gpu = self.cfg.device.startswith("cuda")
-        page, budget = self.cfg.kv_block_size, self.scheduler.max_num_batched_tokens
+        page_size, budget = self.cfg.page_size, self.scheduler.max_num_batched_tokens
         params = SamplingParams(max_tokens=2 * self.block_size + 1, ignore_eos=True)
         room = self.max_model_len - params.max_tokens - self.block_size
-        prompt_len = min(budget + page if on_gpu else 2 * page + 3, room)
+        prompt_len = min(budget + page_size if on_gpu else 2 * page_size + 3, room)
         if prompt_len < 2:
             return
         chunk = budget if prompt_len > budget else -(-prompt_len // 2)
@@ -339,14 +339,15 @@ class LLMEngine:
             self.scheduler.max_num_batched_tokens = budget
         if on_gpu and not self.cfg.enforce_eager:
             for n in graph_batch_buckets(self.cfg.max_num_seqs):
-                requests += self._warm([[(1 + i) % vocab] * page for i in range(n)], params)
+                requests += self._warm([[(1 + i) % vocab] * page_size for i in range(n)],
+                                       params)
         self.stats, self.draft_time, self.verify_time = stats
         self.warmup = {"requests": requests, "steps": self.num_steps - first_step,
                        "seconds": time.perf_counter() - t}
 
     def _warm(self, prompts: list[list[int]], params: SamplingParams) -> int:
         reach = self.scheduler.reach(Sequence(-1, "", prompts[0], params))
-        if self.blocks.pages_needed(reach) > self.blocks.num_blocks:
+        if self.blocks.pages_needed(reach) > self.blocks.num_pages:
             return 0  # a pool too small for the warm-up: the first request compiles instead
         self.stats, self.draft_time = AcceptanceStats(), TimeAccumulator()
         self.verify_time = TimeAccumulator()

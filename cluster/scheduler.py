@@ -40,10 +40,10 @@ class Scheduler:
         return min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len) + self.lookahead
 
     def add(self, seq: Sequence) -> None:
-        if self.blocks.pages_needed(self.reach(seq)) > self.blocks.num_blocks:
+        if self.blocks.pages_needed(self.reach(seq)) > self.blocks.num_pages:
             raise ValueError(
                 f"request needs {self.reach(seq)} KV positions but the cache holds only "
-                f"{self.blocks.num_blocks * self.blocks.page_size}; lower max_tokens"
+                f"{self.blocks.num_pages * self.blocks.page_size}; lower max_tokens"
             )
         self.waiting.append(seq)
 

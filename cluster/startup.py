@@ -14,11 +14,18 @@ from configs.engine import EngineConfig
 from configs.model import TargetConfig
 from draft.actor import DraftWorker
 from draft.config import DraftConfig
+from target.kernels import selection
 from target.kernels.attention import backend_name
-from workers.memory import MemoryProfile, plan_num_blocks
+from workers.memory import MemoryProfile, plan_num_pages
 from workers.worker import TargetWorker
 
 log = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(cfg: EngineConfig, target_config: TargetConfig) -> int:
+    """The context length: the configured one, else the target's. Resolved here alone; the
+    plan hands it to the scheduler, the workers and the draft."""
+    return cfg.max_model_len or target_config.max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -28,10 +35,10 @@ class EnginePlan:
     target_config: TargetConfig
     draft_config: DraftConfig | None  # with the block-size override applied
     block_size: int  # B tokens verified per round; 1 without a draft
-    max_model_len: int
+    max_model_len: int  # resolve_max_model_len
     # KV pages per rank. None: measured at start-up (GPU), see workers/memory.py.
-    num_kv_blocks: int | None
-    min_kv_blocks: int  # pages one full-length sequence (+ a verify block) reaches
+    num_pages: int | None
+    min_pages: int  # pages one full-length sequence (+ a verify block) reaches
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -39,6 +46,7 @@ class EnginePlan:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> EnginePlan:
+        selection.check(cfg.kernels, cfg.device)  # a Triton kernel where it cannot run: now
         tcfg = TargetConfig.from_pretrained(cfg.model)
         dcfg = None
         if cfg.draft_model:
@@ -47,20 +55,20 @@ class EnginePlan:
             if cfg.block_size is not None:
                 dcfg = dcfg.with_block_size(cfg.block_size)
         block = dcfg.block_size if dcfg else 1
-        max_len = cfg.max_model_len or tcfg.max_position_embeddings
-        pages_per_seq = -(-(max_len + block) // cfg.kv_block_size)
-        num_blocks = cfg.num_kv_blocks
-        if num_blocks is None and not cfg.device.startswith("cuda"):
-            num_blocks = cfg.max_num_seqs * pages_per_seq  # CPU: nothing to measure
-        return cls(tcfg, dcfg, block, max_len, num_blocks, pages_per_seq)
+        max_model_len = resolve_max_model_len(cfg, tcfg)
+        pages_per_seq = -(-(max_model_len + block) // cfg.page_size)
+        num_pages = cfg.num_pages
+        if num_pages is None and not cfg.device.startswith("cuda"):
+            num_pages = cfg.max_num_seqs * pages_per_seq  # CPU: nothing to measure
+        return cls(tcfg, dcfg, block, max_model_len, num_pages, pages_per_seq)
 
-    def with_measured_blocks(self, profiles: list[MemoryProfile | None],
-                             max_num_seqs: int) -> EnginePlan:
-        if self.num_kv_blocks is not None:
+    def with_measured_pages(self, profiles: list[MemoryProfile | None],
+                            max_num_seqs: int) -> EnginePlan:
+        if self.num_pages is not None:
             return self
         measured = [p for p in profiles if p is not None]
-        num_blocks = plan_num_blocks(measured, max_num_seqs, self.min_kv_blocks)
-        return replace(self, num_kv_blocks=num_blocks)
+        num_pages = plan_num_pages(measured, max_num_seqs, self.min_pages)
+        return replace(self, num_pages=num_pages)
 
 
 class Members(Protocol):
@@ -90,21 +98,22 @@ def start_parts(parts: EngineParts, cfg: EngineConfig, plan: EnginePlan) -> Engi
     parts.load()
     if parts.draft is not None:
         parts.connect_aux()
-    if plan.num_kv_blocks is None:
+    if plan.num_pages is None:
         profiles = parts.targets.call("profile", plan.block_size, plan.max_model_len)
         if parts.draft is not None:  # after the target's: colocated, both measure one GPU
             profiles += parts.draft.call("profile", plan.max_model_len)
         peaks = [p.activation_peak for p in profiles if p is not None]
-        plan = plan.with_measured_blocks(profiles, cfg.max_num_seqs)
+        plan = plan.with_measured_pages(profiles, cfg.max_num_seqs)
         if peaks:
             log.info("measured activation peaks of the largest steps at %d tokens of context: "
                      "%s GiB", plan.max_model_len, ", ".join(f"{p / 2**30:.2f}" for p in peaks))
     for members in (parts.targets, parts.draft):
         if members is not None:
-            members.call("allocate", plan.num_kv_blocks)
-    log.info("KV cache: %d pages of %d tokens (%d tokens); attention: %s", plan.num_kv_blocks,
-             cfg.kv_block_size, plan.num_kv_blocks * cfg.kv_block_size,
-             backend_name(cfg.device, cfg.torch_dtype, cfg.kernels.attention_kernel(cfg.device)))
+            members.call("allocate", plan.num_pages, plan.max_model_len)
+    log.info("KV cache: %d pages of %d tokens (%d tokens); attention: %s", plan.num_pages,
+             cfg.page_size, plan.num_pages * cfg.page_size,
+             backend_name(cfg.device, cfg.torch_dtype,
+                          selection.attention_kernel(cfg.kernels, cfg.device)))
     return plan
 
 

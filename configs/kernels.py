@@ -5,16 +5,16 @@ path against another in the same build. A model takes it once, after loading
 (`Qwen3_5MoeForCausalLM.set_kernels`, `DFlashDraftModel.set_kernels`), and each layer keeps
 the choice it was given: nothing is switched per class or per process by a benchmark.
 
-"auto" resolves per device and, for the routed experts, per step size (FusedExperts): the
-defaults are the paths measured fastest on the H200 (docs/BENCHMARKS.md); the others are the
-references the tests compare against and the CPU paths."""
+Plain values only: which kernel a choice takes on a device ("auto" per device and, for the
+routed experts, per step size in FusedExperts) is resolved beside the kernels, in
+target/kernels/selection.py. The defaults are the paths measured fastest on the H200
+(docs/BENCHMARKS.md); the others are the references the tests compare against and the CPU
+paths."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
 
 # Decode steps, verify rounds and the draft's blocks: "triton" reads the KV pages in place,
 # keys split across programs (target/kernels/attention_triton.py); "torch" gathers each
@@ -86,27 +86,6 @@ def _check(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
-def _check_triton(what: str, module, device: torch.device | str) -> None:
-    """A Triton kernel module's kernels run on `device`: Triton imports, and the device is
-    CUDA or the interpreter is on."""
-    device = torch.device(device)
-    if module.triton is None or (device.type != "cuda" and not module._interpreted()):
-        raise ValueError(f"{what} needs Triton and a CUDA device (or TRITON_INTERPRET=1), "
-                         f"not {device}")
-
-
-def _triton_or(value: str, name: str, module, device: torch.device | str, other: str,
-               triton_name: str = "triton") -> str:
-    """A choice between a Triton kernel and `other`: "auto" takes the kernel on CUDA (never
-    the interpreter: that is for tests that ask for it); the kernel asked for is checked."""
-    if value == "auto":
-        device = torch.device(device)
-        return triton_name if device.type == "cuda" and module.triton is not None else other
-    if value == triton_name:
-        _check_triton(f"{name} {value!r}", module, device)
-    return value
-
-
 @dataclass(frozen=True)
 class KernelConfig:
     attention: str = "auto"  # ATTENTION_BACKENDS
@@ -131,110 +110,7 @@ class KernelConfig:
         _check("gdn_recurrence", self.gdn_recurrence, GDN_RECURRENCE)
         _check("gdn_prologue", self.gdn_prologue, GDN_PROLOGUE)
         _check("pdl", self.pdl, PDL)
-
-    def attention_kernel(self, device: torch.device | str) -> str:
-        """The resolved attention on this device: "triton" or "torch". "auto" takes triton on
-        CUDA only (on CPU it would run in Triton's interpreter: tests)."""
-        from target.kernels import attention_triton
-
-        device = torch.device(device)
-        if self.attention == "auto":
-            cuda = device.type == "cuda" and attention_triton.triton is not None
-            return "triton" if cuda else "torch"
-        if self.attention == "triton" and not attention_triton.available(device):
-            raise ValueError(f"attention_backend 'triton' needs Triton and a CUDA device (or "
-                             f"TRITON_INTERPRET=1), not {device}"
-                             + (" without Triton" if attention_triton.triton is None else ""))
-        return self.attention
-
-    def attention_launch(self):
-        """The Triton attention's launch shape in the models (attention_triton.ADAPTIVE_LAUNCH:
-        each sequence's keys split by its length, split² ≥ 4 · keys, at most 256 splits; 16-row
-        tiles for a launch whose rows fit, as a decode's)."""
-        from target.kernels import attention_triton
-
-        return attention_triton.ADAPTIVE_LAUNCH
-
-    def attention_prologue_kernel(self, device: torch.device | str) -> str:
-        """attention_prologue resolved on this device: "triton" (needs Triton and CUDA, or
-        TRITON_INTERPRET=1) or "torch"."""
-        from target.kernels import qk_rope_triton
-
-        return _triton_or(self.attention_prologue, "attention_prologue", qk_rope_triton,
-                          device, "torch")
-
-    def experts_kernel(self, device: torch.device | str) -> str:
-        """moe, checked against the device: the Triton paths ("pairs", "sorted") need Triton
-        and CUDA (or TRITON_INTERPRET=1); "auto" resolves per step (FusedExperts)."""
-        from target.kernels import moe_sorted, moe_triton
-
-        if self.moe in ("pairs", "sorted"):
-            module = moe_triton if self.moe == "pairs" else moe_sorted
-            _check_triton(f"moe_backend {self.moe!r}", module, device)
-        return self.moe
-
-    def routing_kernel(self, device: torch.device | str) -> str:
-        """moe_routing resolved on this device: "triton" (needs Triton and CUDA, or
-        TRITON_INTERPRET=1) or "torch"."""
-        from target.kernels import moe_route
-
-        return _triton_or(self.moe_routing, "moe_routing", moe_route, device, "torch")
-
-    def recurrence_kernel(self, device: torch.device | str) -> str:
-        """gdn_recurrence resolved on this device: "slots" (as routing_kernel's triton) or
-        "fla"."""
-        from target.kernels import gdn_slots
-
-        return _triton_or(self.gdn_recurrence, "gdn_recurrence", gdn_slots, device, "fla",
-                          triton_name="slots")
-
-    def gdn_prologue_kernel(self, device: torch.device | str) -> str:
-        """gdn_prologue resolved on this device: "triton" needs Triton and CUDA (or
-        TRITON_INTERPRET=1) and the slots recurrence (it leaves q and k at the key heads);
-        "auto" takes it on CUDA with the slots recurrence (never the interpreter)."""
-        from target.kernels import gdn_prologue
-
-        slots = self.recurrence_kernel(device) == "slots"
-        if self.gdn_prologue == "auto":
-            cuda = torch.device(device).type == "cuda" and gdn_prologue.triton is not None
-            return "triton" if slots and cuda else "torch"
-        if self.gdn_prologue == "triton":
-            _check_triton("gdn_prologue 'triton'", gdn_prologue, device)
-            if not slots:
-                raise ValueError("gdn_prologue 'triton' needs gdn_recurrence 'slots'")
-        return self.gdn_prologue
-
-    def pdl_launch(self, device: torch.device | str) -> bool:
-        """pdl resolved on this device: whether the engine's Triton kernels launch with
-        programmatic dependent launch. "on" where it cannot run is a ValueError saying why (on
-        a CUDA device this asks the GPU its compute capability)."""
-        from target.kernels import pdl
-
-        if self.pdl == "off":
-            return False
-        reason = pdl.supported(device)
-        if self.pdl == "on" and reason is not None:
-            raise ValueError(f"pdl 'on': {reason}")
-        return reason is None
-
-    def pdl_compiled(self, device: torch.device | str) -> bool:
-        """Whether the compiled elementwise chains take PDL too: wherever the Triton kernels
-        do and Inductor has its own PDL (torch._inductor.config.triton.enable_pdl)."""
-        from target.kernels import pdl
-
-        return self.pdl_launch(device) and pdl.compiled_supported() is None
-
-    def round_attention(self, device: torch.device | str, graphs: bool) -> str:
-        """The target's uniform rounds (target/layers/attention.py ROUND_ATTENTION): "triton";
-        or with torch, "gathered" (no host values: CUDA graphs capture it) when rounds are
-        captured and the per-sequence "reference" when they run eagerly."""
-        if self.attention_kernel(device) == "triton":
-            return "triton"
-        return "gathered" if graphs else "reference"
-
-    def block_attention(self, device: torch.device | str) -> str:
-        """The draft's blocks (draft/model.py BLOCK_ATTENTION): "triton" or "gathered"."""
-        return "triton" if self.attention_kernel(device) == "triton" else "gathered"
-
-    def compiles_elementwise(self, graphs: bool) -> bool:
-        return graphs if self.compile_elementwise is None else self.compile_elementwise
+        if self.compile_elementwise is not None and not isinstance(self.compile_elementwise,
+                                                                   bool):
+            raise ValueError(f"compile_elementwise must be True, False or None, got "
+                             f"{self.compile_elementwise!r}")

@@ -18,8 +18,11 @@ from deploy.protocol import (
     load_sampling_defaults,
 )
 from deploy.tokenizer import chat_template_text
+from target.kernels import selection
 
 REPO = Path(__file__).resolve().parents[1]
+# Old names of application args, still read from a YAML's `args:` (old → new).
+RENAMED_ARGS = {"kv_block_size": "page_size", "num_kv_blocks": "num_pages"}
 
 
 def arg(default, help: str, *aliases: str, **extra):
@@ -64,8 +67,9 @@ class ServeArgs:
     max_model_len: int | None = arg(None, "context length (default: the model's)")
     max_num_batched_tokens: int | None = arg(
         None, "prompt tokens one prefill step feeds (default 8192)")
-    kv_block_size: int = arg(16, "tokens per KV page")
-    num_kv_blocks: int | None = arg(None, "KV pages (default: measured from free GPU memory)")
+    page_size: int = arg(16, "tokens per KV page", "--block-size", "--kv-block-size")
+    num_pages: int | None = arg(None, "KV pages (default: measured from free GPU memory)",
+                                "--num-kv-blocks")
     gpu_memory_utilization: float = arg(
         0.9, "share of each GPU for weights, activations and the KV cache")
     max_waiting: int | None = arg(
@@ -205,6 +209,12 @@ class ServeArgs:
 
     @classmethod
     def from_dict(cls, args: dict) -> ServeArgs:
+        args = dict(args)
+        for old, new in RENAMED_ARGS.items():  # a YAML written for an older release
+            if old in args:
+                if new in args:
+                    raise ValueError(f"{old} is the old name of {new}: give only {new}")
+                args[new] = args.pop(old)
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(args) - names)
         if unknown:
@@ -259,18 +269,21 @@ class ServeArgs:
     def engine_config(self, dirs: tuple[str, str | None] | None = None) -> EngineConfig:
         """The engine's settings: every EngineConfig field these args share by name, left at
         the engine's default where the arg is None; the block size and dtype derived. `dirs`:
-        the checkpoint directories (default: `model_dirs()`, which downloads hub ids)."""
+        the checkpoint directories (default: `model_dirs()`, which downloads hub ids). A
+        Triton kernel asked for where it cannot run fails here too, in `serve run`."""
         model, draft = dirs or self.model_dirs()
         mine = {f.name for f in fields(ServeArgs)}
         shared = {f.name: getattr(self, f.name) for f in fields(EngineConfig)
                   if f.name in mine and getattr(self, f.name) is not None}
-        return EngineConfig(**{
+        cfg = EngineConfig(**{
             **shared,
             "model": model,
             "draft_model": draft,
             "block_size": self.block_size,
             "dtype": self.dtype or ("bfloat16" if self.on_gpu else "float32"),
         })
+        selection.check(cfg.kernels, cfg.device)
+        return cfg
 
     def check_files(self, cfg: EngineConfig) -> SamplingDefaults:
         """The checks that read the checkpoints' files (`cfg`'s directories): the target's

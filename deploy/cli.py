@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Collection
 
 from configs.logs import setup_logging
 
@@ -48,32 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-serve")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate from one prompt, in process")
-    g.add_argument("--model", required=True,
-                   help="target checkpoint: a directory or a Hugging Face id (org/name)")
-    g.add_argument("--draft-model", "--speculative-draft-model",
-                   "--speculative-draft-model-path", dest="draft_model",
-                   help="DFlash draft checkpoint: a directory or a Hugging Face id (omit for "
-                        "plain decoding)")
-    g.add_argument("--revision", help="the model's Hub revision when it is an id (default main)")
-    g.add_argument("--draft-revision", "--speculative-draft-model-revision",
-                   dest="draft_revision", help="the draft's Hub revision (default main)")
-    g.add_argument("--speculative-dflash-block-size", type=int, dest="block_size",
-                   help="verify block size B (proposes B-1 tokens); default: the draft's")
+    add_serve_args(g, GENERATE_FIELDS)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text prompt (tokenised with the target's tokenizer)")
     src.add_argument("--prompt-ids", type=_parse_ids, help="comma-separated token ids")
     g.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                   help="tensor-parallel size; > 1 runs the target on Ray worker actors")
     g.add_argument("--address", help="Ray cluster to join (with --tp > 1); default: start one")
 
     s = sub.add_parser("serve", help="serve the OpenAI API with Ray Serve, until SIGINT/SIGTERM")
@@ -93,8 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def generate(args: argparse.Namespace) -> dict:
+    from dataclasses import replace
+
     from cluster.engine import LLMEngine
-    from configs.engine import EngineConfig, SamplingParams
+    from cluster.startup import resolve_max_model_len
+    from configs.engine import SamplingParams
     from configs.hub import resolve_model
     from configs.model import TargetConfig
     from deploy.tokenizer import load_tokenizer
@@ -104,11 +94,12 @@ def generate(args: argparse.Namespace) -> dict:
                             ignore_eos=args.ignore_eos)
     if args.draft_revision and not args.draft_model:
         raise ValueError("--draft-revision needs --draft-model")
+    sargs = serve_args(args, GENERATE_FIELDS)
     model = resolve_model(args.model, "--model", args.revision)  # hub ids: the cache's copy
     draft = (resolve_model(args.draft_model, "--draft-model", args.draft_revision)
              if args.draft_model else None)
-    cfg = EngineConfig(model=model, draft_model=draft, block_size=args.block_size,
-                       device=args.device, dtype=args.dtype, max_num_seqs=1)
+    # serve's engine settings (dtype from the device, the block size), for one sequence
+    cfg = replace(sargs.engine_config((model, draft)), max_num_seqs=1)
     target = TargetConfig.from_pretrained(model)  # a ValueError naming the file, first
     tokenizer = load_tokenizer(model)
     if args.prompt is not None:
@@ -122,9 +113,10 @@ def generate(args: argparse.Namespace) -> dict:
             prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     else:
         prompt_ids = args.prompt_ids
-    if len(prompt_ids) + args.max_tokens > target.max_position_embeddings:
+    max_model_len = resolve_max_model_len(cfg, target)  # checked before the engine loads
+    if len(prompt_ids) + args.max_tokens > max_model_len:
         raise ValueError(
-            f"the context holds {target.max_position_embeddings} tokens; the prompt has "
+            f"the context holds {max_model_len} tokens; the prompt has "
             f"{len(prompt_ids)} and --max-tokens asks for {args.max_tokens} more; lower "
             f"--max-tokens")
     cluster = None
@@ -184,15 +176,23 @@ _TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, 
           "str | None": str, "list[str]": None, "dict | None": None}
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServeArgs field (deploy/args.py): --field-name and its aliases, its help
-    and default; lists and objects as JSON."""
+# The ServeArgs fields `generate` takes too: the same flags, defaults and help as `serve`'s.
+GENERATE_FIELDS = ("model", "draft_model", "revision", "draft_revision", "tp",
+                   "speculative_dflash_block_size", "device", "dtype")
+
+
+def add_serve_args(parser: argparse.ArgumentParser,
+                   names: Collection[str] | None = None) -> None:
+    """One flag per ServeArgs field (deploy/args.py), or per field in `names`: --field-name
+    and its aliases, its help and default; lists and objects as JSON."""
     from dataclasses import MISSING, fields
 
     from deploy.args import ServeArgs
 
     for f in fields(ServeArgs):
-        names = [f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", ())]
+        if names is not None and f.name not in names:
+            continue
+        flags = [f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", ())]
         kw: dict = {"dest": f.name, "help": f.metadata.get("help")}
         if f.metadata.get("required"):
             kw["required"] = True
@@ -212,18 +212,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
             kw["type"] = _TYPES[f.type]
         if f.name in _CLI_CHOICES:
             kw["choices"] = _CLI_CHOICES[f.name]
-        parser.add_argument(*names, **kw)
+        parser.add_argument(*flags, **kw)
 
 
-def serve_args(args: argparse.Namespace):
-    """The `serve` flags as the app's ServeArgs (ValueError naming a bad one)."""
+def serve_args(args: argparse.Namespace, names: Collection[str] | None = None):
+    """The `serve` flags (or those of the fields in `names`, the others at their defaults) as
+    the app's ServeArgs (ValueError naming a bad one)."""
     from dataclasses import fields
 
     import torch
 
     from deploy.args import ServeArgs
 
-    values = {f.name: getattr(args, f.name) for f in fields(ServeArgs)}
+    values = {f.name: getattr(args, f.name) for f in fields(ServeArgs)
+              if names is None or f.name in names}
     if values["device"] is None:
         values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     return ServeArgs(**values)

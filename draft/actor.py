@@ -47,49 +47,50 @@ class DraftWorker(StepLoopEnds):
         self.runner: DraftRunner | None = None
         self.aux_receiver: AuxReceiver | None = None
 
-    def _runner(self, num_blocks: int, graphs: bool = False) -> DraftRunner:
+    def _runner(self, num_pages: int, max_model_len: int, graphs: bool = False) -> DraftRunner:
         cfg = self.cfg
         graphs = graphs and self.device.type == "cuda" and not cfg.enforce_eager
-        return DraftRunner(self.model, num_blocks, cfg.kv_block_size, self.block_size,
+        return DraftRunner(self.model, num_pages, cfg.page_size, self.block_size,
                            self.embed, self.lm_head, self.device,
                            graph_max_seqs=cfg.max_num_seqs if graphs else 0,
-                           graph_max_pages=graph_max_pages(cfg.max_model_len, num_blocks,
-                                                           cfg.kv_block_size))
+                           graph_max_pages=graph_max_pages(max_model_len, num_pages,
+                                                           cfg.page_size))
 
     @torch.inference_mode()
-    def profile(self, max_len: int) -> MemoryProfile | None:
+    def profile(self, max_model_len: int) -> MemoryProfile | None:
         """Peak of the largest steps (`largest_steps`). None on CPU."""
         if self.device.type != "cuda":
             return None
         cfg = self.cfg
-        peak = measure_peak(self.device, lambda: self.largest_steps(max_len))
+        peak = measure_peak(self.device, lambda: self.largest_steps(max_model_len))
         d = self.model.cfg
-        per_page = (len(self.model.layers) * 2 * cfg.kv_block_size * d.num_key_value_heads
+        per_page = (len(self.model.layers) * 2 * cfg.page_size * d.num_key_value_heads
                     * d.head_dim * cfg.torch_dtype.itemsize)
         return MemoryProfile(gpu_id(self.device), cache_budget(self.device,
                                                               cfg.gpu_memory_utilization),
                              peak, per_page, 0)
 
-    def largest_steps(self, max_len: int) -> None:
-        """A context write of max_num_batched_tokens features at the end of a max_len
-        context, then a proposal for max_num_seqs sequences over max_len − B context tokens
-        (tables max_len long over the pages one write needs: the sizes matter, not what the
-        pages hold)."""
+    def largest_steps(self, max_model_len: int) -> None:
+        """A context write of max_num_batched_tokens features at the end of a max_model_len
+        context, then a proposal for max_num_seqs sequences over max_model_len − B context
+        tokens (tables max_model_len long over the pages one write needs: the sizes matter,
+        not what the pages hold)."""
         cfg = self.cfg
-        tokens = min(cfg.max_num_batched_tokens, max_len)
-        pages = -(-tokens // cfg.kv_block_size)
-        runner = self._runner(pages)
-        table = [i % pages for i in range(-(-max_len // cfg.kv_block_size))]
+        tokens = min(cfg.max_num_batched_tokens, max_model_len)
+        pages = -(-tokens // cfg.page_size)
+        runner = self._runner(pages, max_model_len)
+        table = [i % pages for i in range(-(-max_model_len // cfg.page_size))]
         aux = torch.zeros(tokens, self.model.cfg.aux_hidden_size, dtype=cfg.torch_dtype,
                           device=self.device)
-        runner.write_context(ContextWrite(aux, torch.arange(max_len - tokens, max_len),
-                                          [table], [tokens]))
-        context = max(max_len - self.block_size, 1)
+        positions = torch.arange(max_model_len - tokens, max_model_len)
+        runner.write_context(ContextWrite(aux, positions, [table], [tokens]))
+        context = max(max_model_len - self.block_size, 1)
         runner.propose(ProposeRequest([0] * cfg.max_num_seqs, [context] * cfg.max_num_seqs,
                                       [table] * cfg.max_num_seqs))
 
-    def allocate(self, num_kv_blocks: int) -> None:
-        self.runner = self._runner(num_kv_blocks, graphs=True)
+    def allocate(self, num_pages: int, max_model_len: int) -> None:
+        """`max_model_len`: the plan's (cluster/startup.py)."""
+        self.runner = self._runner(num_pages, max_model_len, graphs=True)
 
     def open_aux(self, spec: AuxRingSpec) -> None:
         self.aux_receiver = AuxReceiver.open(spec, self.device)

@@ -1,7 +1,7 @@
 """Pure-torch RoPE and paged block attention for the DFlash draft.
 
 Legend: S sequences, B block length, N committed tokens, C gathered context length,
-Hq query heads, Hkv kv heads, D head_dim, P page size (cache block size).
+Hq query heads, Hkv kv heads, D head_dim.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    # k, v [N, Hkv, D] -> caches [num_blocks, P, Hkv, D] at flat slots [N]
+    # k, v [N, Hkv, D] -> caches [num_pages, page_size, Hkv, D] at flat slots [N]
     kv_shape = k_cache.shape[-2:]
     k_cache.view(-1, *kv_shape).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *kv_shape).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -52,22 +52,22 @@ def gather_context(
     With a window only the last `window - 1` context positions can be seen by any block query
     (query p >= L sees key k only if p - k < window), so older pages are never read.
     """
-    page = k_cache.shape[1]
+    page_size = k_cache.shape[1]
     lens = context_lens.long()
     start = (lens - (window - 1)).clamp(min=0) if window is not None else torch.zeros_like(lens)
     span = lens - start
     # An upper bound of span.max() known on the host (no device sync): the table's width in
     # positions, or the window. Callers pass tables cut to the pages in use (DraftRunner).
-    width = block_tables.shape[1] * page
+    width = block_tables.shape[1] * page_size
     if window is not None:
         width = min(width, window - 1)
     offs = torch.arange(width, device=lens.device)
     valid = offs[None, :] < span[:, None]  # [S, C]
     pos = torch.where(valid, start[:, None] + offs[None, :], 0)
     # unused block-table entries may hold anything: only index them where valid
-    page_idx = torch.where(valid, pos // page, 0)
+    page_idx = torch.where(valid, pos // page_size, 0)
     blocks = block_tables.long().gather(1, page_idx)
-    slots = torch.where(valid, blocks * page + pos % page, 0)
+    slots = torch.where(valid, blocks * page_size + pos % page_size, 0)
     kv_shape = k_cache.shape[-2:]
     keep = valid[..., None, None]
     k = torch.where(keep, k_cache.view(-1, *kv_shape)[slots], 0)  # zeros: no NaN from stale
@@ -136,10 +136,11 @@ def paged_block_attention(
 
 
 def block_slots(block_tables: Tensor, context_lens: Tensor, block_len: int,
-                page: int) -> Tensor:
+                page_size: int) -> Tensor:
     """[S·B] the cache slots of each sequence's block positions L_s … L_s+B−1."""
     pos = context_lens.long()[:, None] + torch.arange(block_len, device=context_lens.device)
-    return (block_tables.long().gather(1, pos // page) * page + pos % page).flatten()
+    return (block_tables.long().gather(1, pos // page_size) * page_size
+            + pos % page_size).flatten()
 
 
 def write_block_kv(k_block: Tensor, v_block: Tensor, k_cache: Tensor, v_cache: Tensor,

@@ -27,10 +27,11 @@ from draft.attention import (
 from draft.config import DraftConfig
 from target import dummy
 from target.kernels import fused as target_fused
-from target.kernels import pdl
+from target.kernels import pdl, selection
 from target.weights import read_safetensors
 
-KVCache = list[tuple[Tensor, Tensor]]  # per draft layer (k_cache, v_cache)
+# per draft layer (k_cache, v_cache), each [num_pages, page_size, Hkv, D]
+KVCache = list[tuple[Tensor, Tensor]]
 
 
 class RMSNorm(nn.Module):
@@ -183,14 +184,15 @@ class DFlashDraftModel(nn.Module):
         return self.norm.weight.device
 
     def set_kernels(self, kernels: KernelConfig, graphs: bool) -> None:
-        """The block attention (configs/kernels.py), resolved for the weights' device; and,
-        as the target's set_kernels does, whether the elementwise chains compile (graphs:
-        proposals replay CUDA graphs) and whether the Triton kernels launch with PDL.
+        """The block attention (target/kernels/selection.py), resolved for the weights'
+        device; and, as the target's set_kernels does, whether the elementwise chains compile
+        (graphs: proposals replay CUDA graphs) and whether the Triton kernels launch with PDL.
         Process-wide: a draft actor's process has no target model to set them."""
-        set_block_attention(self, kernels.block_attention(self.device),
-                            kernels.attention_launch())
-        target_fused.enable(kernels.compiles_elementwise(graphs))
-        pdl.enable(kernels.pdl_launch(self.device), kernels.pdl_compiled(self.device))
+        device = self.device
+        set_block_attention(self, selection.block_attention(kernels, device),
+                            selection.ATTENTION_LAUNCH)
+        target_fused.enable(selection.compiles_elementwise(kernels, graphs))
+        pdl.enable(selection.pdl_launch(kernels, device), selection.pdl_compiled(kernels, device))
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -241,9 +243,8 @@ class DFlashDraftModel(nn.Module):
 
     # ---- cache ---------------------------------------------------------------------------
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
-        # block_size here is the page size of the cache, not the draft's block length
-        shape = (num_blocks, block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
+    def allocate_kv_cache(self, num_pages: int, page_size: int) -> KVCache:
+        shape = (num_pages, page_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

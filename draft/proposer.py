@@ -25,13 +25,13 @@ from workers.messages import ContextWrite, ProposeRequest, host_tables
 class DraftRunner:
     """`graph_max_seqs` > 0 (CUDA): proposals replay a CUDA graph per (batch bucket, B, page
     bucket) up to that many sequences and tables up to `graph_max_pages` wide
-    (workers/cuda_graphs.py); the cache then holds scratch pages past num_blocks for the
+    (workers/cuda_graphs.py); the cache then holds scratch pages past num_pages for the
     padding sequences. Context writes of up to bucket · B rows (a round's committed tokens;
     short prefill chunks) replay one graph per row bucket too: eagerly a write is ~240 small
     ops for the 8-layer draft (fc, norm, RoPE, each layer's k/v projections and norms, the
     cache stores), all host launch time at round sizes. Longer writes run eagerly."""
 
-    def __init__(self, model: DFlashDraftModel, num_blocks: int, page_size: int, block_size: int,
+    def __init__(self, model: DFlashDraftModel, num_pages: int, page_size: int, block_size: int,
                  embed: Callable[[torch.Tensor], torch.Tensor],
                  lm_head: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str,
                  graph_max_seqs: int = 0, graph_max_pages: int = 0):
@@ -43,8 +43,8 @@ class DraftRunner:
         self.device = torch.device(device)
         self.graph_max_seqs, self.graph_max_pages = graph_max_seqs, graph_max_pages
         scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page_size) if graph_max_seqs else 0
-        self.kv_cache = model.allocate_kv_cache(num_blocks + scratch, page_size)
-        self.scratch_pages = torch.arange(num_blocks, num_blocks + scratch, dtype=torch.int32)
+        self.kv_cache = model.allocate_kv_cache(num_pages + scratch, page_size)
+        self.scratch_pages = torch.arange(num_pages, num_pages + scratch, dtype=torch.int32)
         self.graphs: dict[tuple[int, int, int], CapturedCall] = {}
         # Context writes by padded row count; their rows past the real ones go to the first
         # scratch page's slots (never read: padding sequences have no context).
@@ -68,11 +68,11 @@ class DraftRunner:
         pos = write.positions.cpu().long().numpy()  # [N]
         if len(pos) == 0:
             return
-        page = self.page_size
+        page_size = self.page_size
         # only the pages the written positions fall in
-        tables = host_tables(write.block_tables, int(pos.max()) // page + 1)
+        tables = host_tables(write.block_tables, int(pos.max()) // page_size + 1)
         seq_of = np.repeat(np.arange(len(write.counts)), write.counts)
-        slots = tables[seq_of, pos // page].astype(np.int64) * page + pos % page
+        slots = tables[seq_of, pos // page_size].astype(np.int64) * page_size + pos % page_size
         aux = write.aux.to(self.device)
         rows = next((r for r in self.write_rows if r >= len(pos)), None)
         if rows is None or ("write", rows) in self.failed or not self._replay_write(

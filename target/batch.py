@@ -14,7 +14,7 @@ class ForwardBatch:
     query_lens: list[int]  # [S] tokens of each sequence in this forward
     seq_lens: list[int] | None  # [S] context length after this forward (cached + new)
     slot_mapping: torch.Tensor  # [T] long, KV-cache slot of each new token
-    block_tables: torch.Tensor  # [S, max_blocks] int32, page ids of each sequence
+    block_tables: torch.Tensor  # [S, max_pages] int32, page ids of each sequence
     state_slots: list[int] | None  # [S] Gated DeltaNet state slot of each sequence
     # Verify sequences leave their committed GDN state untouched and journal the block instead;
     # `commit_verify` replays the accepted prefix. Others (prefill) advance their state in place.
@@ -53,7 +53,7 @@ class ForwardBatch:
 @dataclass
 class TargetCaches:
     # full-attention layer -> (k_cache, v_cache),
-    # each [num_blocks, block_size, kv_heads_local, head_dim]
+    # each [num_pages, page_size, kv_heads_local, head_dim]
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]
     # GDN layer -> conv state [num_slots, conv_dim_local, kernel-1] (the last pre-conv inputs)
     conv: dict[int, torch.Tensor]
@@ -61,6 +61,6 @@ class TargetCaches:
     ssm: dict[int, torch.Tensor]
 
     @property
-    def block_size(self) -> int:
+    def page_size(self) -> int:
         k_cache, _ = next(iter(self.kv.values()))
         return k_cache.shape[1]

@@ -9,7 +9,7 @@ from configs.kernels import KernelConfig
 from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import SINGLE, TPGroup
-from target.kernels import fused, pdl
+from target.kernels import fused, pdl, selection
 from target.layers.attention import GatedAttention, set_round_attention
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.layers.gdn import GatedDeltaNet
@@ -70,17 +70,18 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
 
     def set_kernels(self, kernels: KernelConfig, graphs: bool) -> None:
-        """Every layer's kernels (configs/kernels.py), resolved for the device the weights are
-        on. graphs: rounds replay CUDA graphs, so their attention may read no host values; it
-        also decides whether the elementwise chains compile, unless `kernels` says."""
+        """Every layer's kernels (target/kernels/selection.py), resolved for the device the
+        weights are on. graphs: rounds replay CUDA graphs, so their attention may read no host
+        values; it also decides whether the elementwise chains compile, unless `kernels`
+        says."""
         device = self.lm_head.weight.device
-        set_round_attention(self, kernels.round_attention(device, graphs))
-        routing = kernels.routing_kernel(device)
-        recurrence = kernels.recurrence_kernel(device)
-        gdn_prologue = kernels.gdn_prologue_kernel(device)
-        experts = kernels.experts_kernel(device)
-        launch = kernels.attention_launch()
-        attention_prologue = kernels.attention_prologue_kernel(device)
+        set_round_attention(self, selection.round_attention(kernels, device, graphs))
+        routing = selection.routing_kernel(kernels, device)
+        recurrence = selection.recurrence_kernel(kernels, device)
+        gdn_prologue = selection.gdn_prologue_kernel(kernels, device)
+        experts = selection.experts_kernel(kernels, device)
+        launch = selection.ATTENTION_LAUNCH
+        attention_prologue = selection.attention_prologue_kernel(kernels, device)
         for m in self.modules():
             if isinstance(m, GatedAttention):
                 m.triton_launch, m.prologue = launch, attention_prologue
@@ -90,8 +91,8 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             elif isinstance(m, SparseMoE):
                 m.routing = routing
                 m.experts.kernel = experts
-        fused.enable(kernels.compiles_elementwise(graphs))
-        pdl.enable(kernels.pdl_launch(device), kernels.pdl_compiled(device))
+        fused.enable(selection.compiles_elementwise(kernels, graphs))
+        pdl.enable(selection.pdl_launch(kernels, device), selection.pdl_compiled(kernels, device))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

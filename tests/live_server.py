@@ -53,7 +53,7 @@ def demo_api(model_name: str = DEMO_MODEL, wrap: Callable | None = None) -> Iter
 
     target, draft = str(DEMO / "target"), str(DEMO / "draft")
     engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=8,
-                                    max_num_seqs=16, kv_block_size=8))
+                                    max_num_seqs=16, page_size=8))
     client = LocalEngineClient(engine, model_name)
     tokenizer = load_tokenizer(target)
     app = build_app(client, tokenizer)

@@ -10,13 +10,13 @@ from target.model import Qwen3_5MoeForCausalLM
 
 
 def allocate_target_caches(
-    model: Qwen3_5MoeForCausalLM, num_blocks: int, block_size: int, num_slots: int,
+    model: Qwen3_5MoeForCausalLM, num_pages: int, page_size: int, num_slots: int,
     device: torch.device | str,
 ) -> TargetCaches:
     cfg, shapes, dtype = model.config, model.cache_shapes(), model.dtype
     kv = {
-        i: (torch.zeros(num_blocks, block_size, *shapes["kv"], dtype=dtype, device=device),
-            torch.zeros(num_blocks, block_size, *shapes["kv"], dtype=dtype, device=device))
+        i: (torch.zeros(num_pages, page_size, *shapes["kv"], dtype=dtype, device=device),
+            torch.zeros(num_pages, page_size, *shapes["kv"], dtype=dtype, device=device))
         for i in cfg.full_attention_layers
     }
     conv = {i: torch.zeros(num_slots, *shapes["conv"], dtype=dtype, device=device)

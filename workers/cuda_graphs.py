@@ -60,18 +60,16 @@ def page_bucket(pages: int, max_pages: int) -> int | None:
     return min(max(8, 1 << (max(pages, 1) - 1).bit_length()), max_pages)
 
 
-def num_scratch_pages(max_width: int, page: int) -> int:
+def num_scratch_pages(max_width: int, page_size: int) -> int:
     """Pages a dummy sequence's block (W tokens from position 0) occupies."""
-    return -(-max_width // page)
+    return -(-max_width // page_size)
 
 
-def graph_max_pages(max_model_len: int | None, num_blocks: int, page: int) -> int:
+def graph_max_pages(max_model_len: int, num_pages: int, page_size: int) -> int:
     """The widest block table a captured step takes: a full-length sequence plus a round's
     lookahead, and never more than the pool holds."""
-    if max_model_len is None:
-        return num_blocks
-    return max(min(num_blocks, -(-(max_model_len + MAX_GRAPH_WIDTH) // page)),
-               num_scratch_pages(MAX_GRAPH_WIDTH, page))
+    return max(min(num_pages, -(-(max_model_len + MAX_GRAPH_WIDTH) // page_size)),
+               num_scratch_pages(MAX_GRAPH_WIDTH, page_size))
 
 
 class CapturedCall:
@@ -207,7 +205,7 @@ class RoundGraphs:
                 m.round_attention = "gathered"
         self.model, self.caches, self.aux_layer_ids = model, caches, aux_layer_ids
         self.device, self.max_seqs, self.max_pages = device, max_seqs, max_pages
-        self.page = caches.block_size
+        self.page_size = caches.page_size
         self.scratch_pages = torch.tensor(scratch_pages, dtype=torch.int32)
         self.scratch_slot = scratch_slot
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
@@ -220,7 +218,7 @@ class RoundGraphs:
     def fits(self, n_seqs: int, width: int, table_width: int) -> bool:
         return (bucket_for(n_seqs, self.max_seqs) is not None
                 and page_bucket(max(table_width, len(self.scratch_pages)), self.max_pages)
-                is not None and width <= len(self.scratch_pages) * self.page)
+                is not None and width <= len(self.scratch_pages) * self.page_size)
 
     def forward(self, seqs: list, width: int
                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch] | None:
@@ -269,7 +267,7 @@ class RoundGraphs:
         costs several µs, a numpy one well under one; the host work lies between a step's
         sync and the next launch). Padding sequences: W tokens from position 0 in the scratch
         pages, the scratch state slot."""
-        page, n = self.page, len(seqs)
+        page_size, n = self.page_size, len(seqs)
         tables = np.zeros((padded, pages), np.int32)  # entries past a table: page 0
         tables[:n] = host_tables([s.block_table if s.block_table_t is None else s.block_table_t
                                   for s in seqs], pages)
@@ -285,7 +283,8 @@ class RoundGraphs:
         arrays = {
             "input_ids": input_ids,
             "positions": pos,
-            "slot_mapping": tables[seq_of, pos // page].astype(np.int64) * page + pos % page,
+            "slot_mapping": (tables[seq_of, pos // page_size].astype(np.int64) * page_size
+                             + pos % page_size),
             "block_tables": tables,
             "seq_lens": starts + width,
             "state_slots": state_slots,

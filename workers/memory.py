@@ -7,7 +7,7 @@ utilisation share after the weights (every process on that GPU counted, through
 largest step), and what one page / one state slot costs it. The driver adds up the processes
 sharing a GPU (TP rank 0 + the draft) and takes the smallest page count over GPUs: every rank
 holds the same page ids. On CPU nothing is measured: the pool holds `max_num_seqs`
-full-length sequences (or `num_kv_blocks`)."""
+full-length sequences (or `num_pages`)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def cache_budget(device: torch.device, utilization: float) -> int:
     return int(total * utilization) - (total - free)
 
 
-def plan_num_blocks(profiles: list[MemoryProfile], num_slots: int, min_blocks: int) -> int:
+def plan_num_pages(profiles: list[MemoryProfile], num_slots: int, min_pages: int) -> int:
     """Pages every GPU can hold once each of its processes has its state slots and activation
     headroom. Raises ValueError (the tightest GPU's figures, and what to change) when one
     full-length sequence does not fit."""
@@ -64,18 +64,18 @@ def plan_num_blocks(profiles: list[MemoryProfile], num_slots: int, min_blocks: i
         left = budget - sum(p.activation_peak + num_slots * p.bytes_per_slot for p in procs)
         per_page = sum(p.bytes_per_page for p in procs)
         plans.append((max(left, 0) // per_page if per_page else 0, gpu, budget, procs))
-    num_blocks, gpu, budget, procs = min(plans, key=lambda plan: plan[0])
-    if num_blocks < min_blocks:
+    num_pages, gpu, budget, procs = min(plans, key=lambda plan: plan[0])
+    if num_pages < min_pages:
         gib = 1 << 30
         slot = sum(p.bytes_per_slot for p in procs)
-        page = sum(p.bytes_per_page for p in procs)
+        per_page = sum(p.bytes_per_page for p in procs)
         raise ValueError(
             f"the GPU memory left after weights, activations and {num_slots} state slots holds "
-            f"{num_blocks} KV pages; one full-length sequence needs {min_blocks}. On GPU {gpu}: "
+            f"{num_pages} KV pages; one full-length sequence needs {min_pages}. On GPU {gpu}: "
             f"{budget / gib:.2f} GiB left within gpu_memory_utilization once the weights were "
             f"loaded, {sum(p.activation_peak for p in procs) / gib:.2f} GiB of activation "
             f"peaks, {num_slots * slot / gib:.2f} GiB for {num_slots} state slots "
             f"(max_num_seqs; {slot / (1 << 20):.1f} MiB each), and a full-length sequence's "
-            f"pages take {min_blocks * page / gib:.2f} GiB. Lower max_model_len or "
+            f"pages take {min_pages * per_page / gib:.2f} GiB. Lower max_model_len or "
             f"max_num_seqs, raise gpu_memory_utilization, or use more GPUs (tp)")
-    return num_blocks
+    return num_pages

@@ -70,7 +70,7 @@ class ModelRunner:
         self.caches = caches
         self.aux_layer_ids = aux_layer_ids
         self.device = torch.device(device)
-        self.block_size = caches.block_size
+        self.page_size = caches.page_size
         self.generators: dict[int, torch.Generator] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
         # pinned host buffers the acceptance reads back into, by shape: allocated once, not
@@ -93,7 +93,7 @@ class ModelRunner:
     def _host_inputs(self, seqs: list[SeqInput]) -> dict[str, torch.Tensor]:
         # Built with CPU tensor ops, not per-token Python (a prefill step holds thousands of
         # tokens); copied to the device once per tensor.
-        page = self.block_size
+        page_size = self.page_size
         tables = torch.from_numpy(host_tables(
             [s.block_table if s.block_table_t is None else s.block_table_t for s in seqs],
             max(len(s.block_table) for s in seqs)))
@@ -105,7 +105,8 @@ class ModelRunner:
         return {
             "input_ids": torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long),
             "positions": pos,
-            "slot_mapping": tables[seq_of, pos // page].long() * page + pos % page,
+            "slot_mapping": (tables[seq_of, pos // page_size].long() * page_size
+                             + pos % page_size),
             "block_tables": tables,
             "seq_lens": starts + lens,
             "state_slots": torch.tensor([s.state_slot for s in seqs]),

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from configs.engine import EngineConfig, SamplingParams
 from configs.logs import setup_logging_if_actor
 from target.distributed import TPGroup
-from target.kernels import pdl
+from target.kernels import pdl, selection
 from target.loader import load_target
 from target.model import Qwen3_5MoeForCausalLM
 from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
@@ -89,8 +89,8 @@ class TargetWorker(StepLoopEnds):
                                  device=self.device, load_format=self.cfg.load_format)
         self.model.set_kernels(self.cfg.kernels, graphs=self._graphs())
         if self.rank == 0 and self.device.type == "cuda":
-            chains = (" and the compiled chains" if self.cfg.kernels.pdl_compiled(self.device)
-                      else "")
+            compiled = selection.pdl_compiled(self.cfg.kernels, self.device)
+            chains = " and the compiled chains" if compiled else ""
             log.info("Triton kernels%s: %s", chains, "programmatic dependent launch (pdl)"
                      if pdl.enabled() else "plain launches (pdl off)")
         if self.aux_ring_rows:  # before the memory profile, so the ring counts as used
@@ -116,36 +116,36 @@ class TargetWorker(StepLoopEnds):
         self.aux_sender.seal()
 
     @torch.inference_mode()
-    def profile(self, block_size: int, max_len: int) -> MemoryProfile | None:
+    def profile(self, block_size: int, max_model_len: int) -> MemoryProfile | None:
         """The activation peak of the largest steps the scheduler can issue, at the longest
         context (`largest_steps`), and the GPU memory left. All ranks must call it together
         (the dummy steps run collectives). None on CPU, where nothing is measured."""
         if self.device.type != "cuda":
             return None
         cfg = self.cfg
-        peak = measure_peak(self.device, lambda: self.largest_steps(block_size, max_len))
+        peak = measure_peak(self.device, lambda: self.largest_steps(block_size, max_model_len))
         return MemoryProfile(gpu_id(self.device), cache_budget(self.device,
                                                               cfg.gpu_memory_utilization),
-                             peak, bytes_per_token(self.model) * cfg.kv_block_size,
+                             peak, bytes_per_token(self.model) * cfg.page_size,
                              bytes_per_state_slot(self.model))
 
-    def largest_steps(self, block_size: int, max_len: int) -> None:
-        """What the profile measures: the last prefill chunk of a max_len prompt (a full
-        max_num_batched_tokens over the longest cached prefix), then a verify round of
+    def largest_steps(self, block_size: int, max_model_len: int) -> None:
+        """What the profile measures: the last prefill chunk of a max_model_len prompt (a
+        full max_num_batched_tokens over the longest cached prefix), then a verify round of
         max_num_seqs blocks at that context through the attention captured rounds use, and
-        verify-sized logits + probabilities. The tables run max_len long over the few pages
-        one chunk needs (entries repeat: the values read do not matter, the sizes do), every
-        sequence on one state slot (a verify only reads it)."""
-        cfg, model, page = self.cfg, self.model, self.cfg.kv_block_size
-        tokens = min(cfg.max_num_batched_tokens, max_len)
-        pages = -(-tokens // page)
-        table = [i % pages for i in range(-(-max_len // page))]
-        caches = allocate_target_caches(model, pages, page, 1, self.device)
+        verify-sized logits + probabilities. The tables run max_model_len long over the few
+        pages one chunk needs (entries repeat: the values read do not matter, the sizes do),
+        every sequence on one state slot (a verify only reads it)."""
+        cfg, model, page_size = self.cfg, self.model, self.cfg.page_size
+        tokens = min(cfg.max_num_batched_tokens, max_model_len)
+        pages = -(-tokens // page_size)
+        table = [i % pages for i in range(-(-max_model_len // page_size))]
+        caches = allocate_target_caches(model, pages, page_size, 1, self.device)
         runner = ModelRunner(model, caches, self.aux_layer_ids, self.device)
-        runner.prefill([SeqInput(0, [0] * tokens, max_len - tokens, table, 0,
+        runner.prefill([SeqInput(0, [0] * tokens, max_model_len - tokens, table, 0,
                                  SamplingParams())])
-        width = min(block_size, max_len)
-        rounds = [SeqInput(i, [0] * width, max_len - width, table, 0, SamplingParams())
+        width = min(block_size, max_model_len)
+        rounds = [SeqInput(i, [0] * width, max_model_len - width, table, 0, SamplingParams())
                   for i in range(cfg.max_num_seqs)]
         runner.verify(rounds)  # through the round attention allocate chose (init_model)
         del runner, caches
@@ -153,22 +153,22 @@ class TargetWorker(StepLoopEnds):
                              dtype=model.dtype, device=self.device)
         torch.softmax(model.compute_logits(hidden).float(), dim=-1)
 
-    def allocate(self, num_kv_blocks: int) -> None:
+    def allocate(self, num_pages: int, max_model_len: int) -> None:
         """Caches and runner; on CUDA (unless enforce_eager) rounds replay CUDA graphs with the
         elementwise chains compiled (target/kernels/fused.py), and the caches hold scratch
-        pages and a scratch state slot for their padding sequences."""
-        cfg, page = self.cfg, self.cfg.kv_block_size
+        pages and a scratch state slot for their padding sequences. `max_model_len`: the
+        plan's (cluster/startup.py), which bounds the captured tables' width."""
+        cfg, page_size = self.cfg, self.cfg.page_size
         graphs = self._graphs()
-        scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page) if graphs else 0
-        caches = allocate_target_caches(self.model, num_kv_blocks + scratch, page,
+        scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page_size) if graphs else 0
+        caches = allocate_target_caches(self.model, num_pages + scratch, page_size,
                                         cfg.max_num_seqs + int(graphs), self.device)
         round_graphs = None
         if graphs:  # (the elementwise chains compile with them: set_kernels in init_model)
-            max_len = cfg.max_model_len or self.model.config.max_position_embeddings
             round_graphs = RoundGraphs(
                 self.model, caches, self.aux_layer_ids, self.device, cfg.max_num_seqs,
-                graph_max_pages(max_len, num_kv_blocks, page),
-                list(range(num_kv_blocks, num_kv_blocks + scratch)), cfg.max_num_seqs)
+                graph_max_pages(max_model_len, num_pages, page_size),
+                list(range(num_pages, num_pages + scratch)), cfg.max_num_seqs)
         self.runner = ModelRunner(self.model, caches, self.aux_layer_ids, self.device,
                                   cfg.seed, round_graphs)
 

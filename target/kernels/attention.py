@@ -1,6 +1,6 @@
 """Paged attention (any device): gather each sequence's pages, flash attention over them.
 
-k_cache/v_cache [num_blocks, block_size, kv_heads, D]; slot = block_id·block_size + offset.
+k_cache/v_cache [num_pages, page_size, kv_heads, D]; slot = page_id·page_size + offset.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    block_size = cache.shape[1]
-    n_blocks = -(-length // block_size)
-    pages = cache[block_table[:n_blocks].long()]  # [n, block_size, kv_heads, D]
+    page_size = cache.shape[1]
+    n_pages = -(-length // page_size)
+    pages = cache[block_table[:n_pages].long()]  # [n, page_size, kv_heads, D]
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
 
@@ -199,11 +199,11 @@ def paged_attention_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              scale: float) -> torch.Tensor:
     """A uniform round without host values (CUDA-graph capturable): q [S·W, Hq, D], the last W
     positions of each sequence (seq_lens [S] include them, their K/V stored); all of
-    block_tables [S, P] is gathered (P·page keys; positions the query may not see, stale
+    block_tables [S, P] is gathered (P·page_size keys; positions the query may not see, stale
     pages past a sequence's end included, are masked)."""
     n_seqs, n_pages = block_tables.shape
-    _, page, kv_heads, dim = k_cache.shape
-    width, keys = q.shape[0] // n_seqs, n_pages * page
+    _, page_size, kv_heads, dim = k_cache.shape
+    width, keys = q.shape[0] // n_seqs, n_pages * page_size
     pages = block_tables.long()
     k = k_cache[pages].view(n_seqs, keys, kv_heads, dim).transpose(1, 2)  # [S, Hkv, C, D]
     v = v_cache[pages].view(n_seqs, keys, kv_heads, dim).transpose(1, 2)

@@ -110,7 +110,7 @@ class Launch:
 # is given (the tests' and benches' fixed-split form; the models take ADAPTIVE_LAUNCH).
 LAUNCH = Launch()
 SPLIT_KEYS = LAUNCH.split
-# KernelConfig.attention_launch(), the models' launch: the same tiles, splits per
+# selection.ATTENTION_LAUNCH, the models' launch: the same tiles, splits per
 # sequence by its length, split_len² ≥ 4 · keys and at most 256 splits: 64 keys a split up to
 # 1k keys (a decode at batch 1 over 2 kv heads runs 16 one-tile programs at 512 keys, where
 # the fixed split has 2 programs walking all 512), 128 up to 4k, 256 up to 16k, 512 up to 64k,
@@ -379,20 +379,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, *, causal: bool = True, window: int | None = None,
                     with_lse: bool = False, launch: Launch | None = None):
     """q [S·W, Hq, D]: W queries per sequence at positions q_first[s] + w; k_cache/v_cache
-    [num_pages, page, Hkv, D]; block_tables [S, P] int32 (P·page ≥ kv_lens); q_first, kv_lens
-    [S] int32 on q's device. Key j of sequence s is seen by the query at position p when
+    [num_pages, page_size, Hkv, D]; block_tables [S, P] int32 (P·page_size ≥ kv_lens); q_first,
+    kv_lens [S] int32 on q's device. Key j of sequence s is seen by the query at position p when
     j < kv_lens[s], j ≤ p (causal) and |p − j| < window (window; one-sided when causal).
     Returns out [S·W, Hq, D] in q's dtype, and with_lse also the log-sum-exp [S·W, Hq] fp32
     (−inf, out 0, for a query that sees no key). `launch`: the model's
-    (KernelConfig.attention_launch()), LAUNCH where none is given."""
+    (selection.ATTENTION_LAUNCH), LAUNCH where none is given."""
     launch = launch or LAUNCH
     n_tokens, n_heads, dim = q.shape
     n_seqs, n_pages = block_tables.shape
-    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     width, group = n_tokens // n_seqs, n_heads // kv_heads
     assert n_seqs * width == n_tokens and group * kv_heads == n_heads
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    keys = n_pages * page
+    keys = n_pages * page_size
     n_splits = split_bound(launch, keys)
     rows = group * width
     block_d = max(16, triton.next_power_of_2(dim))
@@ -411,7 +411,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         scale, width, group, rows, n_heads, n_tokens, win,
-        PAGE=page, D=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=launch.block_n,
+        PAGE=page_size, D=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=launch.block_n,
         SPLIT=launch.split, MAX_SPLITS=launch.max_splits, RATIO=launch.split_ratio,
         CAUSAL=causal, WINDOWED=window is not None, IEEE=ieee,
         num_warps=launch.warps, num_stages=launch.stages, **pdl.options(q))

@@ -30,9 +30,9 @@ block and a prefill run the same compiled chains, so the goldens (docs/ARCHITECT
 compare like with like.
 
 Process-wide, like the compiled elementwise chains (target/kernels/fused.py): the models'
-`set_kernels` call `enable()` with KernelConfig's resolved `pdl`; each launch reads it, so a
-captured graph keeps the setting in force when it was captured. Off CUDA (Triton's
-interpreter: the tests) a kernel's PDL is always off.
+`set_kernels` call `enable()` with KernelConfig's `pdl` resolved (selection.pdl_launch); each
+launch reads it, so a captured graph keeps the setting in force when it was captured. Off
+CUDA (Triton's interpreter: the tests) a kernel's PDL is always off.
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def compiled_supported() -> str | None:
 
 def enable(on: bool, compiled: bool = False) -> None:
     """Launch the engine's Triton kernels with PDL (on) or plainly, from now on, in this
-    process (KernelConfig.pdl_launch says whether the device can). compiled: the elementwise
+    process (selection.pdl_launch says whether the device can). compiled: the elementwise
     chains torch.compile makes (target/kernels/fused.py) too, through Inductor's own PDL
-    (torch._inductor.config.triton.enable_pdl; KernelConfig.pdl_compiled); a change of it
+    (torch._inductor.config.triton.enable_pdl; selection.pdl_compiled); a change of it
     drops what torch.compile has compiled, so that the chains compile again under it."""
     global _enabled
     _enabled = on

@@ -42,8 +42,8 @@ def qk_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hkv, D] (any strides, last dim contiguous); the norms'
-    weights [D]; cos, sin [T, 1, rotary_dim] fp32; the caches [pages, page, Hkv, D], written
-    at the flat slot slot_mapping[t] (page · page size + offset, as store_kv). Returns q
+    weights [D]; cos, sin [T, 1, rotary_dim] fp32; the caches [num_pages, page_size, Hkv, D],
+    written at the flat slot slot_mapping[t] (page · page_size + offset, as store_kv). Returns q
     normed and rotated, [T, Hq, D] in q's dtype."""
     tokens, num_q_heads, dim = q.shape
     num_kv_heads = k.shape[1]

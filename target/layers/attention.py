@@ -31,12 +31,12 @@ class GatedAttention(nn.Module):
                  rotary: RotaryEmbedding):
         super().__init__()
         # Uniform batches (every sequence queries the same count: rounds). Chosen once per
-        # model by set_round_attention (the model's set_kernels: KernelConfig.round_attention):
+        # model by set_round_attention (the model's set_kernels: selection.round_attention):
         # "triton" reads the pages in place (target/kernels/attention_triton.py); "gathered"
         # gathers the table's pages for one batched call; both use no host values (CUDA graphs
         # capture them). "reference" loops over sequences with host lengths (eager torch).
         self.round_attention = "reference"
-        # the triton rounds' launch shape (KernelConfig.attention_launch; None: the default)
+        # the triton rounds' launch shape (selection.ATTENTION_LAUNCH; None: the default)
         self.triton_launch = None
         # the q/k norms, RoPE and cache writes (KernelConfig.attention_prologue): "torch" or
         # "triton" (target/kernels/qk_rope_triton.py)

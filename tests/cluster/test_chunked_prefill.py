@@ -22,7 +22,7 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
 
 def engine(target, draft=None, block_size=None, **kw) -> LLMEngine:
     kw.setdefault("max_num_seqs", 8)
-    kw.setdefault("kv_block_size", 4)
+    kw.setdefault("page_size", 4)
     return LLMEngine(EngineConfig(model=str(target), draft_model=draft and str(draft),
                                   block_size=block_size, **kw))
 

@@ -29,7 +29,7 @@ def mixed_params(n: int, seed: int) -> list[SamplingParams]:
 
 def engine(target, draft=None, block_size=None, **kw) -> LLMEngine:
     kw.setdefault("max_num_seqs", 8)
-    kw.setdefault("kv_block_size", 4)
+    kw.setdefault("page_size", 4)
     return LLMEngine(EngineConfig(model=str(target), draft_model=draft and str(draft),
                                   block_size=block_size, **kw))
 
@@ -145,7 +145,7 @@ def test_resources_return_after_finish_and_abort(demo_reference):
 
 
 def test_request_errors(tiny_models):
-    eng = engine(tiny_models / "target", max_model_len=64, num_kv_blocks=8)
+    eng = engine(tiny_models / "target", max_model_len=64, num_pages=8)
     with pytest.raises(ValueError, match="empty"):
         eng.add_request([], SamplingParams())
     with pytest.raises(ValueError, match="token ids"):
@@ -206,12 +206,12 @@ def test_warm_up_chunks_a_prompt_runs_rounds_and_leaves_no_trace(demo_reference)
 
     prompts, params, want = demo_reference
     eng = engine(DEMO / "target", DEMO / "draft", 8, max_num_batched_tokens=600,
-                 kv_block_size=16)
+                 page_size=16)
     eng.cfg = replace(eng.cfg, device="cuda", enforce_eager=True)  # the GPU's warm-up size
     eng.warm_up()
     assert eng.warmup["requests"] == 1 and eng.warmup["steps"] >= 4  # 2 chunks, rounds, drop
     assert eng.stats.rounds == 0 and eng.verify_time.count == 0
-    assert len(eng.blocks.free_blocks) == eng.blocks.num_blocks and not eng.has_unfinished()
+    assert len(eng.blocks.free_blocks) == eng.blocks.num_pages and not eng.has_unfinished()
     assert [o.output_ids for o in eng.generate(prompts, params)] == want
 
 

@@ -33,10 +33,10 @@ def test_cuda_engine_sizes_its_pool_from_the_profile_and_is_lossless(tiny_demo):
     prompts, params = workload(6)
     spec = LLMEngine(config(tiny_demo, draft=True, gpu_memory_utilization=0.5))
     plan = spec.plan
-    assert plan.num_kv_blocks is not None and plan.num_kv_blocks >= plan.min_kv_blocks
+    assert plan.num_pages is not None and plan.num_pages >= plan.min_pages
     free, total = torch.cuda.mem_get_info()
     assert total - free <= 0.5 * total * 1.05  # the pool filled the share, not beyond it
-    want = LLMEngine(config(tiny_demo, draft=False, num_kv_blocks=512)).generate(prompts, params)
+    want = LLMEngine(config(tiny_demo, draft=False, num_pages=512)).generate(prompts, params)
     got = spec.generate(prompts, params)
     assert [o.output_ids for o in got] == [o.output_ids for o in want]
     assert spec.stats.accepted_at[0] > 0
@@ -47,7 +47,7 @@ def test_ray_cuda_engine_feeds_the_draft_through_cuda_ipc(ray_cluster, tiny_demo
     from cluster.ray_executor import RayEngineCluster
 
     prompts, params = workload(6)
-    cfg = config(tiny_demo, draft=True, num_kv_blocks=512, max_num_batched_tokens=16)
+    cfg = config(tiny_demo, draft=True, num_pages=512, max_num_batched_tokens=16)
     want = LLMEngine(cfg).generate(prompts, params)
     cluster = RayEngineCluster(cfg, 1)  # rank 0 and the draft on half of the one GPU each
     try:
@@ -71,8 +71,8 @@ def test_ray_cuda_engine_on_several_gpus_equals_target_only(ray_cluster, tiny_de
     if torch.cuda.device_count() < need:
         pytest.skip(f"needs {need} GPUs")
     prompts, params = workload(6)
-    want = LLMEngine(config(tiny_demo, draft=False, num_kv_blocks=512)).generate(prompts, params)
-    cfg = config(tiny_demo, draft=True, num_kv_blocks=512, max_num_batched_tokens=16,
+    want = LLMEngine(config(tiny_demo, draft=False, num_pages=512)).generate(prompts, params)
+    cfg = config(tiny_demo, draft=True, num_pages=512, max_num_batched_tokens=16,
                  draft_placement=placement)
     cluster = RayEngineCluster(cfg, tp)
     try:

@@ -21,7 +21,7 @@ TOL = 2e-5  # fp32: the same logits up to summation order
 
 def engine(draft: bool, **kw) -> LLMEngine:
     kw.setdefault("max_num_seqs", 8)
-    kw.setdefault("kv_block_size", 4)
+    kw.setdefault("page_size", 4)
     return LLMEngine(EngineConfig(model=str(DEMO / "target"),
                                   draft_model=str(DEMO / "draft") if draft else None,
                                   block_size=8 if draft else None, **kw))

@@ -29,7 +29,7 @@ def prompts_and_params(n: int):
 def config(draft: bool, placement: str = "colocated", channel: str = "auto") -> EngineConfig:
     return EngineConfig(model=str(DEMO / "target"), draft_model=str(DEMO / "draft") if draft
                         else None, block_size=8 if draft else None, max_num_seqs=8,
-                        kv_block_size=4, draft_placement=placement, control_channel=channel)
+                        page_size=4, draft_placement=placement, control_channel=channel)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_aux_ring_feeds_the_draft_exactly_what_the_in_process_engine_feeds(ray_c
     outstanding than the ring has slots, unless the driver's flow control holds them back."""
     prompts, params = prompts_and_params(6)
     cfg = EngineConfig(model=str(DEMO / "target"), draft_model=str(DEMO / "draft"),
-                       block_size=8, max_num_seqs=8, kv_block_size=4, max_num_batched_tokens=7,
+                       block_size=8, max_num_seqs=8, page_size=4, max_num_batched_tokens=7,
                        draft_placement=placement)
     want = LLMEngine(cfg).generate(prompts, params)
     cluster = RayEngineCluster(cfg, 1)

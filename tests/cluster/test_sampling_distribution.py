@@ -23,7 +23,7 @@ def _prompt() -> list[int]:
     from deploy.tokenizer import load_tokenizer
 
     ids = load_tokenizer(str(DEMO / "target")).encode("To make bread, mix")
-    eng = LLMEngine(EngineConfig(model=str(DEMO / "target"), max_num_seqs=1, kv_block_size=4))
+    eng = LLMEngine(EngineConfig(model=str(DEMO / "target"), max_num_seqs=1, page_size=4))
     return ids + eng.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True))[0].output_ids
 
 
@@ -45,7 +45,7 @@ def exact_joint(params: SamplingParams) -> dict[tuple[int, int], float]:
 def sampled_joint(draft: Path | None, params: SamplingParams) -> dict[tuple[int, int], float]:
     eng = LLMEngine(EngineConfig(model=str(DEMO / "target"), draft_model=draft and str(draft),
                                  block_size=4 if draft else None, max_num_seqs=512,
-                                 max_model_len=32, kv_block_size=4))
+                                 max_model_len=32, page_size=4))
     outs = eng.generate([PROMPT] * N, [
         SamplingParams(max_tokens=2, ignore_eos=True, temperature=params.temperature,
                        top_k=params.top_k, top_p=params.top_p, seed=i) for i in range(N)
@@ -88,7 +88,7 @@ def test_first_two_tokens_follow_the_target_distribution():
 
 def test_seeded_requests_are_reproducible():
     eng = LLMEngine(EngineConfig(model=str(DEMO / "target"), draft_model=str(DEMO / "draft"),
-                                 block_size=4, max_num_seqs=4, kv_block_size=4))
+                                 block_size=4, max_num_seqs=4, page_size=4))
     sp = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
     a, b = eng.generate([PROMPT, PROMPT], [sp, sp])
     assert a.output_ids == b.output_ids

@@ -21,9 +21,9 @@ def seq(prompt_len: int, max_tokens: int = 8) -> Sequence:
     return Sequence(i, f"req-{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
 
 
-def scheduler(budget: int = 7, max_num_seqs: int = 8, num_blocks: int = 256,
+def scheduler(budget: int = 7, max_num_seqs: int = 8, num_pages: int = 256,
               page_size: int = 4, lookahead: int = 4) -> Scheduler:
-    blocks = BlockManager(num_blocks, page_size, max_num_seqs)
+    blocks = BlockManager(num_pages, page_size, max_num_seqs)
     return Scheduler(blocks, max_num_seqs, max_model_len=512, lookahead=lookahead,
                      max_num_batched_tokens=budget)
 
@@ -141,7 +141,7 @@ def test_prefill_runs_back_to_back_when_nothing_decodes():
 
 def test_fcfs_admission_without_overtaking():
     # 16 pages of 4 positions. reach = prompt + max_tokens + lookahead 4.
-    sched = scheduler(budget=100, num_blocks=16)
+    sched = scheduler(budget=100, num_pages=16)
     first = seq(4, max_tokens=20)  # 28 positions → 7 pages
     big = seq(20, max_tokens=20)  # 44 → 11 pages: does not fit beside `first`
     small = seq(2, max_tokens=2)  # 8 → 2 pages: would fit, but must not overtake `big`
@@ -160,7 +160,7 @@ def test_fcfs_admission_without_overtaking():
 
 
 def test_a_request_waiting_for_memory_does_not_block_decode_rounds():
-    sched = scheduler(budget=100, num_blocks=16)
+    sched = scheduler(budget=100, num_pages=16)
     first, big = seq(4, max_tokens=20), seq(20, max_tokens=20)
     sched.add(first)
     sched.add(big)

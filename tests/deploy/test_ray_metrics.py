@@ -145,7 +145,7 @@ def two_replicas(ray_cluster):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = ServeArgs(model=str(DEMO / "target"), draft_model=str(DEMO / "draft"), device="cpu",
                      speculative_dflash_block_size=8, served_model_name=MODEL, max_num_seqs=8,
-                     kv_block_size=8)
+                     page_size=8)
     serve.run(build_deployment(args, num_replicas=2), name="ray-metrics", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()

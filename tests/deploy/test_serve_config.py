@@ -68,24 +68,32 @@ def test_load_format_reaches_the_engine_and_is_checked(tiny_demo):
 
 
 def test_kernel_backends_reach_the_engine_and_resolve_per_device(tiny_demo, monkeypatch):
-    from target.kernels import attention_triton
+    from cluster.startup import EnginePlan
+    from target.kernels import attention_triton, selection
 
     target, _ = map(str, tiny_demo)
     cfg = ServeArgs.from_dict({"model": target, "attention_backend": "torch",
                                "moe_backend": "grouped"}).engine_config()
-    assert cfg.kernels.attention == "torch" and cfg.kernels.attention_kernel("cuda") == "torch"
+    assert cfg.kernels.attention == "torch"
+    assert selection.attention_kernel(cfg.kernels, "cuda") == "torch"
     assert cfg.kernels.moe == "grouped"
     for field, bad in (("attention_backend", "flash"), ("moe_backend", "cutlass")):
         with pytest.raises(ValueError, match=field):
             ServeArgs.from_dict({"model": target, field: bad}).engine_config()
     auto = ServeArgs.from_dict({"model": target}).engine_config().kernels
-    assert auto.attention_kernel("cpu") == "torch"  # never the interpreter by default
-    assert auto.attention_kernel("cuda") == ("triton" if attention_triton.triton else "torch")
+    assert selection.attention_kernel(auto, "cpu") == "torch"  # never the interpreter by default
+    assert selection.attention_kernel(auto, "cuda") == ("triton" if attention_triton.triton
+                                                        else "torch")
     assert auto.moe == "auto"
-    # asked for explicitly where it cannot run: an error naming the field, not a fallback
+    # asked for explicitly where it cannot run: an error naming the field, not a fallback, in
+    # `serve run` (the args) and wherever an engine starts (its plan, before loading)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend 'triton'"):
-        EngineConfig(model=target, device="cpu", attention_backend="triton")
+        ServeArgs.from_dict({"model": target, "device": "cpu",
+                             "attention_backend": "triton"}).engine_config()
+    with pytest.raises(ValueError, match="attention_backend 'triton'"):
+        EnginePlan.from_config(EngineConfig(model=target, device="cpu",
+                                            attention_backend="triton"))
     # the other choices, as one setting
     cfg = ServeArgs.from_dict({"model": target,
                                "kernel_overrides": "pdl=off"}).engine_config()
@@ -186,10 +194,27 @@ def test_one_field_list_for_the_yaml_the_cli_and_the_engine(tiny_demo):
     assert {f.name for f in fields(EngineConfig)} - app_args == {"block_size"}
     assert all(f.metadata.get("help") for f in fields(ServeArgs))
     target, _ = map(str, tiny_demo)
-    parsed = build_parser().parse_args(["serve", "--model", target, "--kv-block-size", "8",
+    parsed = build_parser().parse_args(["serve", "--model", target, "--page-size", "8",
                                         "--max-num-seqs", "3", "--device", "cpu"])
     assert {n for n in vars(parsed)} >= app_args
     got = serve_args(parsed)
-    assert got == ServeArgs(model=target, kv_block_size=8, max_num_seqs=3, device="cpu")
+    assert got == ServeArgs(model=target, page_size=8, max_num_seqs=3, device="cpu")
     cfg = got.engine_config()
-    assert (cfg.kv_block_size, cfg.max_num_seqs, cfg.dtype) == (8, 3, "float32")
+    assert (cfg.page_size, cfg.max_num_seqs, cfg.dtype) == (8, 3, "float32")
+
+
+def test_page_size_keeps_its_other_spellings(tiny_demo):
+    """The KV page: vLLM's --block-size and the old --kv-block-size / YAML kv_block_size (the
+    DFlash block keeps its own flag, --speculative-dflash-block-size)."""
+    from deploy.cli import build_parser, serve_args
+
+    target, _ = map(str, tiny_demo)
+    for flag in ("--block-size", "--kv-block-size"):
+        parsed = build_parser().parse_args(["serve", "--model", target, flag, "8",
+                                            "--num-kv-blocks", "40", "--device", "cpu"])
+        got = serve_args(parsed)
+        assert (got.page_size, got.num_pages, got.block_size) == (8, 40, None)
+    old = ServeArgs.from_dict({"model": target, "kv_block_size": 8, "num_kv_blocks": 40})
+    assert old == ServeArgs(model=target, page_size=8, num_pages=40)
+    with pytest.raises(ValueError, match="kv_block_size is the old name of page_size"):
+        ServeArgs.from_dict({"model": target, "kv_block_size": 8, "page_size": 8})

@@ -47,7 +47,7 @@ def app(ray_cluster):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = ServeArgs(model=target, draft_model=draft, tp=2, device="cpu",
                      speculative_dflash_block_size=8, served_model_name=MODEL, max_num_seqs=16,
-                     kv_block_size=8, max_waiting=16)
+                     page_size=8, max_waiting=16)
     serve.run(build_deployment(args), name="dflash", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     reference = LLMEngine(EngineConfig(model=target, max_num_seqs=16))  # target only, in process

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import torch
 
-PAGE, NUM_PAGES = 4, 64
+PAGE_SIZE, NUM_PAGES = 4, 64
 CONTEXT_LENS = [3, 9, 14, 6]
 
 
 def layout(block: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(NUM_PAGES, generator=g)
-    width = -(-(max(CONTEXT_LENS) + block) // PAGE)
+    width = -(-(max(CONTEXT_LENS) + block) // PAGE_SIZE)
     tables = torch.zeros(len(CONTEXT_LENS), width, dtype=torch.int32)
     used = 0
     for s, n in enumerate(CONTEXT_LENS):
-        pages = -(-(n + block) // PAGE)  # context + block, as a sequence reserves
+        pages = -(-(n + block) // PAGE_SIZE)  # context + block, as a sequence reserves
         tables[s, :pages] = perm[used : used + pages].to(torch.int32)
         used += pages
     return tables
@@ -40,10 +40,10 @@ def proposal_logits(model, block, with_cache=False):
 
     tables = layout(block, seed=block)
     pos = torch.cat([torch.arange(n) for n in CONTEXT_LENS])
-    slots = torch.cat([tables[s].long()[torch.arange(n) // PAGE] * PAGE + torch.arange(n) % PAGE
-                       for s, n in enumerate(CONTEXT_LENS)])
+    slots = torch.cat([tables[s].long()[torch.arange(n) // PAGE_SIZE] * PAGE_SIZE
+                       + torch.arange(n) % PAGE_SIZE for s, n in enumerate(CONTEXT_LENS)])
     features = torch.randn(len(pos), model.cfg.aux_hidden_size, generator=g)
-    cache = model.allocate_kv_cache(NUM_PAGES, PAGE)
+    cache = model.allocate_kv_cache(NUM_PAGES, PAGE_SIZE)
     model.write_context(features, pos, slots, cache)
     context = [(k.view(-1, *k.shape[2:])[slots].clone(), v.view(-1, *v.shape[2:])[slots].clone())
                for k, v in cache]

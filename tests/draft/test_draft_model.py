@@ -13,7 +13,7 @@ from transformers import Qwen3Config
 
 from draft.model import DFlashDraftModel
 
-VOCAB, HIDDEN, PAGE, NUM_PAGES = 384, 64, 4, 40
+VOCAB, HIDDEN, PAGE_SIZE, NUM_PAGES = 384, 64, 4, 40
 CONTEXT_LENS = (3, 11, 23, 6)  # window 5: shorter and longer than it
 
 REVISIONS = {
@@ -97,14 +97,14 @@ def _layout(seed: int):
     tables = torch.full((len(CONTEXT_LENS), max_pages), 10**6, dtype=torch.int32)
     used = 0
     for s, n in enumerate(CONTEXT_LENS):
-        pages = -(-n // PAGE)
+        pages = -(-n // PAGE_SIZE)
         tables[s, :pages] = perm[used: used + pages].to(torch.int32)
         used += pages
     return tables
 
 
 def _slots(tables: torch.Tensor, s: int, positions: torch.Tensor) -> torch.Tensor:
-    return tables[s].long()[positions // PAGE] * PAGE + positions % PAGE
+    return tables[s].long()[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
 
 
 def _aux(ours: DFlashDraftModel, seed: int) -> list[torch.Tensor]:
@@ -114,7 +114,7 @@ def _aux(ours: DFlashDraftModel, seed: int) -> list[torch.Tensor]:
 
 def _write_all(ours, aux, tables, rounds: int):
     """Context written in `rounds` increments; each call holds every sequence's new tokens."""
-    cache = ours.allocate_kv_cache(NUM_PAGES, PAGE)
+    cache = ours.allocate_kv_cache(NUM_PAGES, PAGE_SIZE)
     for r in range(rounds):
         feats, positions, slots = [], [], []
         for s, n in enumerate(CONTEXT_LENS):
@@ -209,7 +209,7 @@ def test_fp16_keeps_feature_fusion_out_of_fp16(draft_pair):
     model = DFlashDraftModel.from_pretrained(root, torch.float16, "cpu")
     assert model.fc.weight.dtype == model.hidden_norm.weight.dtype == torch.float32
     assert model.layers[0].self_attn.k_proj.weight.dtype == torch.float16
-    cache = model.allocate_kv_cache(NUM_PAGES, PAGE)
+    cache = model.allocate_kv_cache(NUM_PAGES, PAGE_SIZE)
     aux = torch.full((2, model.cfg.aux_hidden_size), 1e3)  # fc output would overflow fp16
     with torch.inference_mode():
         model.write_context(aux, torch.arange(2), torch.arange(2), cache)

@@ -9,20 +9,20 @@ from target.loader import load_target
 from workers.cache import allocate_target_caches
 from workers.model_runner import ModelRunner, SeqInput
 
-PAGE = 4
+PAGE_SIZE = 4
 
 
 class TargetHarness:
-    def __init__(self, model_dir, aux_layer_ids=(), num_blocks=256, num_slots=8,
+    def __init__(self, model_dir, aux_layer_ids=(), num_pages=256, num_slots=8,
                  dtype=torch.float32):
         self.model = load_target(model_dir, dtype=dtype)
-        self.caches = allocate_target_caches(self.model, num_blocks, PAGE, num_slots, "cpu")
+        self.caches = allocate_target_caches(self.model, num_pages, PAGE_SIZE, num_slots, "cpu")
         self.runner = ModelRunner(self.model, self.caches, tuple(aux_layer_ids), "cpu")
         self.next_block = 0
 
     def pages(self, n_positions: int) -> list[int]:
         # Interleaved, non-contiguous page ids so paging bugs cannot hide.
-        n = -(-n_positions // PAGE)
+        n = -(-n_positions // PAGE_SIZE)
         table = [(self.next_block + 7 * i) % 256 for i in range(n)]
         self.next_block += 1
         return table

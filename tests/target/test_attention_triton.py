@@ -41,7 +41,7 @@ SMALL = Launch(max_splits=4, small_rows=16)
 # sm90 Triton compiles them to wgmma (tools/triton_aot.py), the 16- and 32-row ones to
 # mma.sync; a decode and its verify block then run different MMA instructions
 WIDE = Launch(block_m=64, warps=8, max_splits=4, small_rows=16)
-# name: (context lengths before the queries, W, Hq, Hkv, D, page, causal, window[, launch])
+# name: (context lengths before the queries, W, Hq, Hkv, D, page_size, causal, window[, launch])
 CASES = {
     "decode": ([5, 17, 64], 1, 8, 2, 16, 4, True, None),
     "verify": ([0, 9, 130], 6, 4, 2, 16, 16, True, None),
@@ -67,20 +67,20 @@ CASES = {
 }
 
 
-def problem(lens, width, heads, kv_heads, dim, page, dtype, device="cpu", seed=0):
+def problem(lens, width, heads, kv_heads, dim, page_size, dtype, device="cpu", seed=0):
     """Caches with each sequence's pages scattered (reversed, interleaved), every slot past a
     sequence's keys NaN; q [S·W, Hq, D]."""
     g = torch.Generator(device).manual_seed(seed)
     kv_lens = [n + width for n in lens]
-    pages_each = max(-(-n // page) for n in kv_lens) + 1
+    pages_each = max(-(-n // page_size) for n in kv_lens) + 1
     n_pages = pages_each * len(lens) + 3
     order = torch.randperm(n_pages, generator=g, device=device)
     tables = order[: pages_each * len(lens)].view(len(lens), pages_each).int()
-    k_cache = torch.full((n_pages, page, kv_heads, dim), float("nan"), device=device)
+    k_cache = torch.full((n_pages, page_size, kv_heads, dim), float("nan"), device=device)
     v_cache = torch.full_like(k_cache, float("nan"))
     for s, n in enumerate(kv_lens):
         keys = torch.arange(n, device=device)
-        slots = tables[s].long()[keys // page] * page + keys % page
+        slots = tables[s].long()[keys // page_size] * page_size + keys % page_size
         for cache in (k_cache, v_cache):
             cache.view(-1, kv_heads, dim)[slots] = torch.randn(n, kv_heads, dim, generator=g,
                                                                device=device)
@@ -93,13 +93,13 @@ def problem(lens, width, heads, kv_heads, dim, page, dtype, device="cpu", seed=0
 def reference(q, k_cache, v_cache, tables, q_first, kv_lens, scale, causal, window):
     """Each query on its own, fp64: out [S·W, Hq, D], lse [S·W, Hq]."""
     n_seqs = tables.shape[0]
-    width, (_, page, kv_heads, dim) = q.shape[0] // n_seqs, k_cache.shape
+    width, (_, page_size, kv_heads, dim) = q.shape[0] // n_seqs, k_cache.shape
     group = q.shape[1] // kv_heads
     out = torch.zeros(q.shape, dtype=torch.float64)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
     for s in range(n_seqs):
         n = int(kv_lens[s])
-        slots = [int(tables[s, j // page]) * page + j % page for j in range(n)]
+        slots = [int(tables[s, j // page_size]) * page_size + j % page_size for j in range(n)]
         k = k_cache.reshape(-1, kv_heads, dim)[slots].double().cpu()
         v = v_cache.reshape(-1, kv_heads, dim)[slots].double().cpu()
         keys = torch.arange(n)
@@ -125,8 +125,8 @@ def reference(q, k_cache, v_cache, tables, q_first, kv_lens, scale, causal, wind
 def case_error(name: str, dtype: str, device: str) -> float:
     """The largest difference from the reference, output and log-sum-exp (finite ones; an
     infinite one must match exactly)."""
-    lens, width, heads, kv_heads, dim, page, causal, window, *launch = CASES[name]
-    q, kc, vc, tables, q_first, kv_lens = problem(lens, width, heads, kv_heads, dim, page,
+    lens, width, heads, kv_heads, dim, page_size, causal, window, *launch = CASES[name]
+    q, kc, vc, tables, q_first, kv_lens = problem(lens, width, heads, kv_heads, dim, page_size,
                                                   dtype_on(dtype, device), device)
     scale = dim**-0.5
     out, lse = paged_attention(q, kc, vc, tables, q_first, kv_lens, scale, causal=causal,
@@ -148,9 +148,9 @@ def invariance(device: str, launch: Launch | None = None) -> dict[str, int]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     # fixed: the block crosses a split boundary in sequence 0; adaptive: 3 splits of 128
     lens = [SPLIT_KEYS - 3, 40] if launch is None else [300, 40]
-    heads, kv_heads, dim, page = 8, 2, 32, 16
+    heads, kv_heads, dim, page_size = 8, 2, 32, 16
     width = 8
-    q, kc, vc, tables, q_first, kv_lens = problem(lens, width, heads, kv_heads, dim, page,
+    q, kc, vc, tables, q_first, kv_lens = problem(lens, width, heads, kv_heads, dim, page_size,
                                                   dtype, device, seed=1)
     attend = partial(paged_attention, launch=launch)
     block = attend(q, kc, vc, tables, q_first, kv_lens, 0.2)

@@ -60,7 +60,7 @@ def test_a_bad_load_format_names_the_field(config_only):
 
 def test_the_engine_runs_on_dummy_weights_losslessly(config_only):
     common = dict(model=str(config_only / "target"), load_format="dummy", max_num_seqs=4,
-                  kv_block_size=4)
+                  page_size=4)
     prompts = [[5, 17, 200, 3], list(range(30, 52))]
     params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
     want = [o.output_ids for o in LLMEngine(EngineConfig(**common)).generate(prompts, params)]

@@ -57,10 +57,10 @@ def test_chunk_attention_equals_the_masked_reference(n_q, n_k, heads, kv_heads, 
 
 
 def test_paged_attention_reads_each_sequences_pages_across_page_boundaries():
-    page, kv_heads, heads, dim = 4, 2, 4, 8
+    page_size, kv_heads, heads, dim = 4, 2, 4, 8
     g = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(64, page, kv_heads, dim, generator=g)
-    v_cache = torch.randn(64, page, kv_heads, dim, generator=g)
+    k_cache = torch.randn(64, page_size, kv_heads, dim, generator=g)
+    v_cache = torch.randn(64, page_size, kv_heads, dim, generator=g)
     # Interleaved non-contiguous pages, lengths off the page boundaries: a short chunk over a
     # prefix, a whole prompt, a decode (one masked call each), and a chunk long enough for
     # the split form (> MASKED_MAX_QUERIES queries over a prefix).
@@ -73,7 +73,7 @@ def test_paged_attention_reads_each_sequences_pages_across_page_boundaries():
     got = paged_attention(q, k_cache, v_cache, query_lens, seq_lens, tables, 0.3)
     lo = 0
     for s, (n_q, n_k) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        slots = [int(tables[s, p // page]) * page + p % page for p in range(n_k)]
+        slots = [int(tables[s, p // page_size]) * page_size + p % page_size for p in range(n_k)]
         k = k_cache.view(-1, kv_heads, dim)[slots]
         v = v_cache.view(-1, kv_heads, dim)[slots]
         torch.testing.assert_close(got[lo : lo + n_q], masked_reference(q[lo : lo + n_q], k, v,
@@ -124,7 +124,7 @@ def test_a_prompt_of_several_chunks_decodes_as_transformers_does(long_target, ti
     greedy decoding; speculative decoding with the trained draft gives the same tokens."""
     prompt = prompt_ids(2500, 384)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    cfg = {"model": str(long_target), "max_num_batched_tokens": 512, "kv_block_size": 16}
+    cfg = {"model": str(long_target), "max_num_batched_tokens": 512, "page_size": 16}
     ours = LLMEngine(EngineConfig(**cfg)).generate([prompt], params)[0].output_ids
     spec = LLMEngine(EngineConfig(**cfg, draft_model=str(tiny_demo[1]))).generate(
         [prompt], params)[0].output_ids
@@ -174,11 +174,11 @@ def test_a_prompt_in_chunks_ends_with_the_logits_of_one_piece(long_target, devic
     from workers.model_runner import ModelRunner, SeqInput
 
     model = load_target(long_target, dtype=torch.float32, device=device)
-    prompt, page = prompt_ids(6000, 384), 16
-    table = list(range(-(-len(prompt) // page)))
+    prompt, page_size = prompt_ids(6000, 384), 16
+    table = list(range(-(-len(prompt) // page_size)))
 
     def last_logits(chunk: int) -> torch.Tensor:
-        caches = allocate_target_caches(model, len(table), page, 1, device)
+        caches = allocate_target_caches(model, len(table), page_size, 1, device)
         runner = ModelRunner(model, caches, (), device)
         for start in range(0, len(prompt), chunk):
             seq = SeqInput(0, prompt[start : start + chunk], start, table, 0, SamplingParams())

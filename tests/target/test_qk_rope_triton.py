@@ -21,7 +21,7 @@ from target.kernels.attention import store_kv  # noqa: E402
 
 # "half": bf16 on CUDA, fp16 in the interpreter (numpy has no bf16: its casts truncate)
 DTYPES = {"fp32": torch.float32, "half": torch.bfloat16}
-# name: (tokens, Hq, Hkv, D, rotary_dim, page, strided q)
+# name: (tokens, Hq, Hkv, D, rotary_dim, page_size, strided q)
 CASES = {
     "real_head": (3, 4, 2, 256, 64, 16, True),  # Qwen3.5: D 256, a quarter rotated
     "gqa_full_rope": (5, 8, 1, 32, 32, 4, False),
@@ -34,7 +34,7 @@ def dtype_on(name: str, device: str) -> torch.dtype:
 
 
 def problem(case, dtype, device="cpu", seed=0):
-    tokens, hq, hkv, dim, rotary, page, strided = case
+    tokens, hq, hkv, dim, rotary, page_size, strided = case
     g = torch.Generator(device).manual_seed(seed)
     kw = dict(generator=g, device=device)
     q = torch.randn(tokens, hq, 2 * dim, **kw)  # [q | gate] per head, as the layer views it
@@ -44,9 +44,9 @@ def problem(case, dtype, device="cpu", seed=0):
     pos = torch.randint(0, 5000, (tokens,), **kw)
     inv_freq = 1.0 / (1e7 ** (torch.arange(0, rotary, 2, device=device).float() / rotary))
     cos, sin = fused.rope_cos_sin.eager(pos, inv_freq)
-    pages = 2 * tokens // page + 2
-    slots = torch.randperm(pages * page, **kw)[:tokens]  # out of order, across pages
-    caches = [torch.randn(pages, page, hkv, dim, **kw) for _ in range(2)]
+    pages = 2 * tokens // page_size + 2
+    slots = torch.randperm(pages * page_size, **kw)[:tokens]  # out of order, across pages
+    caches = [torch.randn(pages, page_size, hkv, dim, **kw) for _ in range(2)]
     cast = [t.to(dtype) for t in (q, k, v, q_w, k_w, *caches)]
     return (*cast[:5], cos, sin, rotary, *cast[5:], slots)
 

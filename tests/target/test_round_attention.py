@@ -17,14 +17,14 @@ from target.layers.attention import set_round_attention
 
 def case(block: int, device: str, dtype=torch.float32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    num_blocks, page, kv_heads, dim, heads = 64, 4, 2, 16, 4
-    k_cache = torch.randn(num_blocks, page, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_blocks, page, kv_heads, dim, generator=g)
+    num_pages, page_size, kv_heads, dim, heads = 64, 4, 2, 16, 4
+    k_cache = torch.randn(num_pages, page_size, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_pages, page_size, kv_heads, dim, generator=g)
     lens = [block + 4, block + 13, block]  # context incl. the block; partial last pages
     tables = torch.zeros(len(lens), 8, dtype=torch.int32)
-    perm, used = torch.randperm(num_blocks, generator=g), 0
+    perm, used = torch.randperm(num_pages, generator=g), 0
     for s, n in enumerate(lens):
-        pages = -(-n // page)
+        pages = -(-n // page_size)
         tables[s, :pages] = perm[used : used + pages]
         tables[s, pages:] = perm[-1]  # junk in unused entries must not leak in
         used += pages

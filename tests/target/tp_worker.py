@@ -19,7 +19,7 @@ from target.model import Qwen3_5MoeForCausalLM
 from workers.cache import allocate_target_caches
 from workers.model_runner import ModelRunner, SeqInput
 
-PAGE = 4
+PAGE_SIZE = 4
 NUM_PAGES = 48
 PROMPT_LENS = (9, 2, 14)
 BLOCK = 6  # verify width B
@@ -42,7 +42,7 @@ class Forwards:
     def __init__(self, model: Qwen3_5MoeForCausalLM, slots: list[int]):
         n = len(slots)
         self.model, self.slots = model, slots
-        self.caches = allocate_target_caches(model, NUM_PAGES, PAGE, n, "cpu")
+        self.caches = allocate_target_caches(model, NUM_PAGES, PAGE_SIZE, n, "cpu")
         self.runner = ModelRunner(model, self.caches, AUX_LAYERS, "cpu")
         self.tables = [[i + n * j for j in range(NUM_PAGES // n)] for i in range(n)]
         self.out: dict[str, torch.Tensor] = {}

@@ -18,7 +18,7 @@ from tools import bad_inputs
 def base_url(tiny_demo):
     target, draft = (str(p) for p in tiny_demo)
     engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=8,
-                                    max_num_seqs=4, kv_block_size=8))
+                                    max_num_seqs=4, page_size=8))
     client = LocalEngineClient(engine, "tiny")
     url, stop = serve_in_thread(build_app(client, load_tokenizer(target)))
     yield url

@@ -150,7 +150,7 @@ def test_bench_engine_measures_kernel_variants_in_the_same_run(tmp_path):
 def test_engine_overhead_rounds_commit_what_the_instant_runner_accepts():
     """The overhead bench really runs rounds: with 3 drafts accepted of B − 1 = 7 per round,
     every sequence gains 4 tokens per step."""
-    from bench.engine_overhead import InstantDrafter, InstantRunner
+    from bench.engine import InstantDrafter, InstantRunner
     from cluster.engine import EnginePlan, LLMEngine
     from cluster.executor import LocalExecutor
     from configs.engine import EngineConfig
@@ -203,7 +203,7 @@ def test_bench_engine_through_the_cluster_path(ray_cluster, tp, placement):
 
 
 def test_bench_prefill_goes_in_steps_within_the_chunk_budget():
-    from bench.engine import Batch
+    from bench.steps import Batch
     from workers.messages import StepKind, StepResult
 
     class Recorder:
@@ -286,17 +286,6 @@ def test_linear_kernel_bench_times_every_shape_in_both_layouts(tmp_path):
         assert {(n, k, m, lay) for m in (1, 3) for lay in ("nk", "kn")} <= layouts
     assert all(row["us"] > 0 for row in r["rows"])
     assert r["per_step"], r
-
-
-def test_runner_overhead_bench_times_every_runner_call():
-    """bench/runner_overhead.py: the runners' host work per step, through the graph code path
-    with instant models (a CPU measurement by design)."""
-    from bench import runner_overhead
-
-    rows = runner_overhead.main(["--batch-sizes", "1", "3", "--widths", "1", "4",
-                                 "--contexts", "64", "--iters", "2"])
-    assert [(r["batch"], r["width"]) for r in rows] == [(1, 1), (1, 4), (3, 1), (3, 4)]
-    assert all(r[k] > 0 for r in rows for k in ("verify_us", "write_context_us", "propose_us"))
 
 
 def test_profile_step_sorts_kernels_by_kind():

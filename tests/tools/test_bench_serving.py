@@ -24,7 +24,7 @@ MODEL = "tiny-dflash"
 def base_url(tiny_demo):
     target, draft = (str(p) for p in tiny_demo)
     engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=8,
-                                    max_num_seqs=8, kv_block_size=8))
+                                    max_num_seqs=8, page_size=8))
     client = LocalEngineClient(engine, MODEL)
     app = build_app(client, load_tokenizer(target))
     url, stop = serve_in_thread(app)

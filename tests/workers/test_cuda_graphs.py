@@ -24,7 +24,7 @@ from workers.cuda_graphs import (
 from workers.messages import ContextWrite, ProposeRequest
 from workers.model_runner import ModelRunner, SeqInput, committed_rows
 
-PAGE, NUM_BLOCKS, MAX_SEQS = 4, 96, 5
+PAGE_SIZE, NUM_PAGES, MAX_SEQS = 4, 96, 5
 PROMPTS = [[5, 9, 2, 77, 31, 8], [100, 3, 3, 41, 9, 12, 60, 7, 2, 19, 4], [250, 11]]
 AUX = (0, 1)
 
@@ -76,17 +76,17 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def runner(model_dir, graphs: bool, device: str = "cpu",
            max_graphs: int = 16) -> tuple[ModelRunner, object]:
     model = load_target(model_dir, dtype=torch.float32, device=device)
-    scratch = num_scratch_pages(MAX_GRAPH_WIDTH, PAGE) if graphs else 0
-    caches = allocate_target_caches(model, NUM_BLOCKS + scratch, PAGE, MAX_SEQS + 1, device)
+    scratch = num_scratch_pages(MAX_GRAPH_WIDTH, PAGE_SIZE) if graphs else 0
+    caches = allocate_target_caches(model, NUM_PAGES + scratch, PAGE_SIZE, MAX_SEQS + 1, device)
     rounds = RoundGraphs(model, caches, AUX, torch.device(device), MAX_SEQS, 24,
-                         list(range(NUM_BLOCKS, NUM_BLOCKS + scratch)), MAX_SEQS,
+                         list(range(NUM_PAGES, NUM_PAGES + scratch)), MAX_SEQS,
                          max_graphs=max_graphs) if graphs else None
     return ModelRunner(model, caches, AUX, device, graphs=rounds), caches
 
 
 def tables() -> list[list[int]]:
     # interleaved pages, so a paging bug cannot hide
-    return [[(3 * i + 5 * s) % NUM_BLOCKS for i in range(20)] for s in range(len(PROMPTS))]
+    return [[(3 * i + 5 * s) % NUM_PAGES for i in range(20)] for s in range(len(PROMPTS))]
 
 
 class Seqs:
@@ -180,7 +180,7 @@ def test_draft_graph_proposals_equal_the_eager_ones(tiny_demo, request, device):
     def drafter(graphs: bool) -> DraftRunner:
         model = DFlashDraftModel.from_pretrained(draft_dir, dtype=torch.float32,
                                                  device=device, block_size=block)
-        return DraftRunner(model, NUM_BLOCKS, PAGE, block, target.embed, target.compute_logits,
+        return DraftRunner(model, NUM_PAGES, PAGE_SIZE, block, target.embed, target.compute_logits,
                            device, graph_max_seqs=MAX_SEQS if graphs else 0, graph_max_pages=24)
 
     g = torch.Generator().manual_seed(0)
@@ -208,7 +208,7 @@ def test_draft_context_writes_through_graphs_equal_the_eager_ones(tiny_demo, dev
     def drafter(graphs: bool) -> DraftRunner:
         model = DFlashDraftModel.from_pretrained(tiny_demo[1], dtype=torch.float32,
                                                  device=device, block_size=block)
-        return DraftRunner(model, NUM_BLOCKS, PAGE, block, None, None, device,
+        return DraftRunner(model, NUM_PAGES, PAGE_SIZE, block, None, None, device,
                            graph_max_seqs=MAX_SEQS if graphs else 0, graph_max_pages=24)
 
     eager, graph = drafter(False), drafter(True)
@@ -229,5 +229,5 @@ def test_draft_context_writes_through_graphs_equal_the_eager_ones(tiny_demo, dev
     assert sorted(graph.write_graphs) == [4, 8, 16] and not graph.failed
     # (to rounding: a GEMM over the padded rows may sum in another order)
     for (ek, ev), (gk, gv) in zip(eager.kv_cache, graph.kv_cache, strict=True):
-        torch.testing.assert_close(gk[:NUM_BLOCKS], ek, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(gv[:NUM_BLOCKS], ev, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gk[:NUM_PAGES], ek, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gv[:NUM_PAGES], ev, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,7 @@ import pytest
 
 from cluster.engine import EnginePlan
 from configs.engine import EngineConfig
-from workers.memory import MemoryProfile, plan_num_blocks
+from workers.memory import MemoryProfile, plan_num_pages
 
 MiB = 1 << 20
 
@@ -20,20 +20,20 @@ def test_processes_sharing_a_gpu_add_up_and_the_tightest_gpu_decides():
     rank1 = MemoryProfile("gpu1", cache_budget=1200 * MiB, activation_peak=100 * MiB,
                           bytes_per_page=MiB, bytes_per_slot=2 * MiB)
     # gpu0: (990 − 100 − 40 − 10·2) MiB over 1.5 MiB per page; gpu1: (1200 − 100 − 20) / 1
-    assert plan_num_blocks([rank0, draft, rank1], num_slots=10, min_blocks=8) == 830 * 2 // 3
-    assert plan_num_blocks([rank1], num_slots=10, min_blocks=8) == 1080
+    assert plan_num_pages([rank0, draft, rank1], num_slots=10, min_pages=8) == 830 * 2 // 3
+    assert plan_num_pages([rank1], num_slots=10, min_pages=8) == 1080
 
 
 def test_too_little_memory_names_what_to_change():
     tight = MemoryProfile("gpu0", cache_budget=50 * MiB, activation_peak=40 * MiB,
                           bytes_per_page=MiB, bytes_per_slot=MiB)
     with pytest.raises(ValueError, match="max_model_len or max_num_seqs.*gpu_memory_utilization"):
-        plan_num_blocks([tight], num_slots=4, min_blocks=16)
+        plan_num_pages([tight], num_slots=4, min_pages=16)
     roomy = MemoryProfile("gpu1", cache_budget=4096 * MiB, activation_peak=0,
                           bytes_per_page=MiB, bytes_per_slot=MiB)
     # the figures are the tightest GPU's: what its budget went to, and what one sequence needs
     with pytest.raises(ValueError) as info:
-        plan_num_blocks([roomy, tight], num_slots=4, min_blocks=16)
+        plan_num_pages([roomy, tight], num_slots=4, min_pages=16)
     assert ("holds 6 KV pages; one full-length sequence needs 16. On GPU gpu0: 0.05 GiB left "
             "within gpu_memory_utilization once the weights were loaded, 0.04 GiB of activation "
             "peaks, 0.00 GiB for 4 state slots (max_num_seqs; 1.0 MiB each), and a full-length "
@@ -43,16 +43,16 @@ def test_too_little_memory_names_what_to_change():
 def test_cpu_plans_without_measuring_and_gpu_plans_measure(tiny_demo):
     target, draft = map(str, tiny_demo)
     cpu = EnginePlan.from_config(EngineConfig(model=target, draft_model=draft, max_num_seqs=3,
-                                              max_model_len=100, kv_block_size=8))
-    assert cpu.min_kv_blocks == -(-(100 + cpu.block_size) // 8)
-    assert cpu.num_kv_blocks == 3 * cpu.min_kv_blocks
-    assert cpu.with_measured_blocks([None], 3) is cpu
+                                              max_model_len=100, page_size=8))
+    assert cpu.min_pages == -(-(100 + cpu.block_size) // 8)
+    assert cpu.num_pages == 3 * cpu.min_pages
+    assert cpu.with_measured_pages([None], 3) is cpu
     gpu = EnginePlan.from_config(EngineConfig(model=target, device="cuda", max_model_len=100))
-    assert gpu.num_kv_blocks is None  # decided at start-up from the profiles
-    fixed = EnginePlan.from_config(EngineConfig(model=target, device="cuda", num_kv_blocks=77))
-    assert fixed.num_kv_blocks == 77
+    assert gpu.num_pages is None  # decided at start-up from the profiles
+    fixed = EnginePlan.from_config(EngineConfig(model=target, device="cuda", num_pages=77))
+    assert fixed.num_pages == 77
     profile = MemoryProfile("g", 64 * MiB, 0, MiB, 0)
-    assert gpu.with_measured_blocks([profile], 1).num_kv_blocks == 64
+    assert gpu.with_measured_pages([profile], 1).num_pages == 64
 
 
 def test_gpu_memory_utilization_is_validated():
@@ -71,7 +71,7 @@ def test_the_profiled_steps_are_the_largest_at_the_longest_context(tiny_demo, mo
 
     target, draft = map(str, tiny_demo)
     cfg = EngineConfig(model=target, draft_model=draft, max_num_seqs=3, max_model_len=1000,
-                       max_num_batched_tokens=96, kv_block_size=8)
+                       max_num_batched_tokens=96, page_size=8)
     calls, proposals = [], []
     real_attention, real_propose = attention.paged_attention, DraftRunner.propose
 

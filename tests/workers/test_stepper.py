@@ -35,7 +35,7 @@ class Recording:
 def test_sequences_cross_once_and_steps_carry_only_ids(tiny_demo):
     target, draft = map(str, tiny_demo)
     engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=4,
-                                    max_num_seqs=4, kv_block_size=4, max_num_batched_tokens=8))
+                                    max_num_seqs=4, page_size=4, max_num_batched_tokens=8))
     engine.executor = rec = Recording(engine.executor)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 11, 6, 20, 2)]
@@ -64,7 +64,7 @@ def test_sequences_cross_once_and_steps_carry_only_ids(tiny_demo):
 
 def test_runners_satisfy_the_protocols_the_steppers_drive(tiny_demo):
     engine = LLMEngine(EngineConfig(model=str(tiny_demo[0]), draft_model=str(tiny_demo[1]),
-                                    max_num_seqs=2, kv_block_size=4))
+                                    max_num_seqs=2, page_size=4))
     runner, drafter = engine.executor.runner, engine.executor.drafter
     assert isinstance(runner, ModelRunner) and isinstance(runner, TargetRunner)
     assert isinstance(drafter, DraftRunner) and isinstance(drafter, Drafter)
