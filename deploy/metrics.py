@@ -6,6 +6,10 @@ read from `EngineClient.snapshot()` at scrape time, so they cost nothing between
 Every series carries `model_name` (the served model's id). The speculative-decoding counters
 mean what vLLM's of the same names do: drafts (rounds), draft tokens proposed, draft tokens
 accepted, and accepted tokens per draft position.
+
+Each series whose meaning matches one of vLLM's (V1 engine, `vllm/v1/metrics/loggers.py`) is
+also served under vLLM's name (VLLM_NAMES), so dashboards and alerts written for vLLM read it:
+the twin is a renamed copy made at scrape time from the same family, so the two never differ.
 """
 
 from __future__ import annotations
@@ -27,38 +31,78 @@ from deploy.engine_client import EngineSnapshot, RequestTiming
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ACCEPTANCE_BUCKETS = tuple(range(1, 17))  # tokens committed per round; longer ones land in +Inf
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # vLLM's 1-2-5 series
+
+# Our family -> the vLLM names it is also served under (same values, same labels). Only names
+# whose meaning is ours; docs/DEPLOYMENT.md lists vLLM's others and why they are left out.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "dflash_num_requests_running": ("vllm:num_requests_running",),
+    "dflash_num_requests_waiting": ("vllm:num_requests_waiting",),
+    # vLLM's "perc" is a fraction 0..1 too; gpu_cache_usage_perc is its older name
+    "dflash_kv_cache_usage_ratio": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "dflash_prompt_tokens": ("vllm:prompt_tokens",),
+    "dflash_generation_tokens": ("vllm:generation_tokens",),
+    "dflash_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "dflash_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    # per token (see ServingMetrics.itl); vLLM observes once per engine step, the same thing
+    # without speculative decoding. time_per_output_token_seconds is its older name.
+    "dflash_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
+                                           "vllm:time_per_output_token_seconds"),
+    "dflash_request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "dflash_request_generation_tokens": ("vllm:request_generation_tokens",),
+    "dflash_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "dflash_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "dflash_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "dflash_spec_decode_num_accepted_tokens_per_pos": (
+        "vllm:spec_decode_num_accepted_tokens_per_pos",),
+}
 
 
 class ServingMetrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.model_name = m = model_name
+        # registry=None: _WithVllmNames collects them, with their vLLM twins
         self.requests = Counter("dflash_requests", "Requests finished, by finish reason",
-                                ["model_name", "endpoint", "finish_reason"], registry=r)
+                                ["model_name", "endpoint", "finish_reason"], registry=None)
         self.errors = Counter("dflash_request_errors", "Requests answered with an error",
-                              ["model_name", "endpoint", "code"], registry=r)
-        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed",
-                                     ["model_name"], registry=r).labels(m)
-        self.generation_tokens = Counter("dflash_generation_tokens", "Tokens generated",
-                                         ["model_name"], registry=r).labels(m)
-        self.ttft = Histogram("dflash_time_to_first_token_seconds",
-                              "From request arrival to the first generated token",
-                              ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(m)
+                              ["model_name", "endpoint", "code"], registry=None)
+        prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed",
+                                ["model_name"], registry=None)
+        generation_tokens = Counter("dflash_generation_tokens", "Tokens generated",
+                                    ["model_name"], registry=None)
+        ttft = Histogram("dflash_time_to_first_token_seconds",
+                         "From request arrival to the first generated token",
+                         ["model_name"], buckets=LATENCY_BUCKETS, registry=None)
         # A speculative round delivers a batch of k tokens after a gap dt: observed as k tokens
         # of dt/k each, so the mean is the per-token latency a streaming client sees.
-        self.itl = Histogram("dflash_inter_token_latency_seconds",
-                             "Time per generated token after the first", ["model_name"],
-                             buckets=LATENCY_BUCKETS, registry=r).labels(m)
-        self.e2e = Histogram("dflash_e2e_request_latency_seconds",
-                             "From request arrival to its last token", ["model_name"],
-                             buckets=LATENCY_BUCKETS, registry=r).labels(m)
-        r.register(_EngineCollector(snapshot, m))
+        itl = Histogram("dflash_inter_token_latency_seconds",
+                        "Time per generated token after the first", ["model_name"],
+                        buckets=LATENCY_BUCKETS, registry=None)
+        e2e = Histogram("dflash_e2e_request_latency_seconds",
+                        "From request arrival to its last token", ["model_name"],
+                        buckets=LATENCY_BUCKETS, registry=None)
+        request_prompt = Histogram("dflash_request_prompt_tokens", "Prompt tokens per request",
+                                   ["model_name"], buckets=TOKEN_BUCKETS, registry=None)
+        request_generation = Histogram("dflash_request_generation_tokens",
+                                       "Tokens generated per request", ["model_name"],
+                                       buckets=TOKEN_BUCKETS, registry=None)
+        sources = [self.requests, self.errors, prompt_tokens, generation_tokens, ttft, itl, e2e,
+                   request_prompt, request_generation, _EngineCollector(snapshot, m)]
+        self.registry.register(_WithVllmNames(sources, m))
+        self.prompt_tokens, self.generation_tokens = (prompt_tokens.labels(m),
+                                                      generation_tokens.labels(m))
+        self.ttft, self.itl, self.e2e = ttft.labels(m), itl.labels(m), e2e.labels(m)
+        self.request_prompt_tokens = request_prompt.labels(m)
+        self.request_generation_tokens = request_generation.labels(m)
 
     def observe_request(self, endpoint: str, finish_reason: str, prompt_tokens: int,
                         completion_tokens: int, timing: RequestTiming, now: float) -> None:
         self.requests.labels(self.model_name, endpoint, finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(completion_tokens)
         if timing.first_token is not None:
             self.ttft.observe(timing.first_token - timing.arrival)
         for gap, k in timing.token_batches:
@@ -71,6 +115,48 @@ class ServingMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WithVllmNames:
+    """The families of `sources`, each followed by its twins under vLLM's names."""
+
+    def __init__(self, sources: list, model_name: str):
+        self.sources, self.model = sources, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self.sources:
+            for family in source.collect():
+                yield family
+                for name in VLLM_NAMES.get(family.name, ()):
+                    yield _renamed(family, name)
+                if family.name == "dflash_requests":
+                    yield _request_success(family)
+        # Admission waits until every page a sequence can reach is free (cluster/scheduler.py),
+        # so the engine never preempts: vLLM's alert on preemptions reads a true 0.
+        yield _one(CounterMetricFamily, "vllm:num_preemptions",
+                   "Requests preempted by the engine (never, here)", self.model, 0)
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    twin = Metric(name, family.documentation, family.type)
+    for s in family.samples:
+        if not s.name.endswith("_created"):
+            twin.add_sample(name + s.name.removeprefix(family.name), s.labels, s.value)
+    return twin
+
+
+def _request_success(requests: Metric) -> Metric:
+    """vLLM's request_success{finished_reason}: dflash_requests summed over endpoints."""
+    by_reason: dict[tuple[str, str], float] = {}
+    for s in requests.samples:
+        if s.name.endswith("_total"):
+            key = (s.labels["model_name"], s.labels["finish_reason"])
+            by_reason[key] = by_reason.get(key, 0.0) + s.value
+    family = CounterMetricFamily("vllm:request_success", "Requests finished, by finish reason",
+                                 labels=["model_name", "finished_reason"])
+    for labels, n in sorted(by_reason.items()):
+        family.add_metric(list(labels), n)
+    return family
 
 
 def _histogram(name: str, doc: str, h: TimeHistogram, model: str) -> HistogramMetricFamily:

@@ -5,7 +5,9 @@ but strictly where silence would mislead: a feature we do not implement (penalti
 vLLM's guided decoding, ...) is a 400 naming the field, never quietly dropped, and a value of
 the wrong JSON type is a 400, never coerced ("16" is not a max_tokens).
 Extensions (vLLM's names): `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
-`prompt_logprobs`.
+`prompt_logprobs`. OpenAI fields clients send routinely (`user`, and in chat
+`reasoning_effort`, `metadata`, `service_tier`) are typed and accepted without effect;
+`store: true` is refused (docs/API.md).
 """
 
 from __future__ import annotations
@@ -108,6 +110,12 @@ UNSUPPORTED = ("top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty
 NEUTRAL = (None, False, 0, {}, [])
 NO_OP = {"repetition_penalty": 1, "length_penalty": 1}
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's values (openai-python's ReasoningEffort): accepted, no effect yet (no reasoning
+# parser here; Qwen3.5 thinks unless chat_template_kwargs={"enable_thinking": false}).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# OpenAI's tiers: every request is served the one way, which responses name "default"
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
+METADATA_LIMITS = (16, 64, 512)  # OpenAI's: pairs, characters per key, characters per value
 
 
 class StreamOptions(BaseModel):
@@ -132,6 +140,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool | None = False  # extension
     return_token_ids: bool | None = False  # extension: prompt_token_ids and choices' token_ids
     prompt_logprobs: int | None = None  # extension: each prompt token's, with this many others
+    user: str | None = None  # accepted, unused (as in vLLM)
 
     def check(self) -> None:
         if not 1 <= self.num_choices <= MAX_CHOICES:
@@ -263,10 +272,23 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None  # wins over max_tokens; None → rest of context
     logprobs: bool | None = False  # each output token's log-probability
     top_logprobs: int | None = None  # with logprobs: the most likely alternatives per token
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # accepted, no effect yet
+    metadata: dict[str, str] | None = None  # accepted, unused (nothing is stored)
+    store: bool | None = None  # true → 400: nothing is stored to retrieve
+    service_tier: Literal[SERVICE_TIERS] | None = None  # named: responses say "default"
 
     def check(self) -> None:
         super().check()
         _check_logprobs(self.top_logprobs, "top_logprobs")
+        if self.store:
+            raise RequestError("store is not supported: this server keeps no completions to "
+                               "retrieve; send store: false or leave it out", "store")
+        pairs, key_len, value_len = METADATA_LIMITS
+        if self.metadata and (len(self.metadata) > pairs or any(
+                len(k) > key_len or len(v) > value_len for k, v in self.metadata.items())):
+            raise RequestError(f"metadata holds at most {pairs} pairs, keys of at most "
+                               f"{key_len} characters and values of at most {value_len}",
+                               "metadata")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         fmt = (self.model_extra or {}).get("response_format")
@@ -469,6 +491,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    service_tier: str | None = Field(None, exclude_if=_absent)  # "default" if one was asked
     prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent)
 
 
@@ -488,6 +511,7 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
+    service_tier: str | None = Field(None, exclude_if=_absent)  # "default" if one was asked
 
 
 class ModelCard(BaseModel):

@@ -16,6 +16,8 @@ of /metrics, Serve's `deployment`, `replica` and `application`, and its own `Wor
   to the value: Ray's histogram takes one observation per call, and replaying them would cost
   a call per generated token (inter-token latency). PromQL's rate() and histogram_quantile()
   read them the same; only the exported TYPE says gauge.
+- The `vllm:` twins of /metrics' series are left out: Ray refuses a name with a `:`, and each is
+  a copy of a `dflash_` series that is copied.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class RayMetricsExport:
             for s in family.samples:
                 if s.name.endswith("_created"):
                     continue  # prometheus_client's creation times: nothing to add up
+                if ":" in s.name:
+                    continue  # vLLM's names of dflash_ series: Ray refuses a `:` in a name
                 if family.type != "counter":
                     self._metric(Gauge, s.name, family.documentation, s.labels).set(
                         s.value, s.labels)

@@ -55,6 +55,8 @@ class Responses:
         if isinstance(req, ChatCompletionRequest):
             if prompt_k is not None:
                 common["prompt_logprobs"] = self._prompt_logprobs(gens[0], prompt_k)
+            if req.service_tier is not None:  # the tier that served it, as OpenAI says
+                common["service_tier"] = "default"
             return ChatCompletionResponse(**common, choices=[ChatChoice(
                 index=i, message=AssistantMessage(content="".join(text)),
                 finish_reason=g.finish_reason, token_ids=g.token_ids if tokens else None,
@@ -102,8 +104,9 @@ class Responses:
             if chat:
                 logprobs = chat_logprobs(self.tokens, ids, lps) if wants_logprobs and ids \
                     else None
+                tier = None if req.service_tier is None else "default"
                 body = ChatCompletionChunk(id=request_id, created=created, model=model,
-                                           **first_ids, choices=[ChatChunkChoice(
+                                           service_tier=tier, **first_ids, choices=[ChatChunkChoice(
                                                index=i, delta=DeltaMessage(role=role,
                                                                            content=text),
                                                finish_reason=finish, token_ids=token_ids,

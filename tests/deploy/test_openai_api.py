@@ -17,6 +17,7 @@ from configs.engine import SamplingParams
 from deploy import openai_api, openai_server
 from deploy.detokenizer import TextStream
 from deploy.engine_client import EngineDeadError, EngineOverloaded
+from deploy.metrics import VLLM_NAMES
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 MODEL = DEMO_MODEL  # the conftest's `server` serves it
@@ -282,6 +283,7 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
     ({"model": MODEL, "prompt": "hi", "repetition_penalty": 1.3}, 400, "repetition_penalty",
      None),
     ({"model": MODEL, "prompt": "hi", "min_p": 0.1}, 400, "min_p", None),
+    ({"model": MODEL, "prompt": "hi", "user": 5}, 400, "user", None),
 ]
 BAD_CHATS = [
     ({"model": MODEL}, 400, "messages", None),
@@ -306,6 +308,16 @@ BAD_CHATS = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "echo": True},
      400, "echo", None),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n", None),
+    # OpenAI's fields we accept but do not act on (docs/API.md): their types and values
+    *(({"model": MODEL, "messages": [{"role": "user", "content": "x"}], **extra}, 400, param,
+       None) for extra, param in (
+        ({"user": ["x"]}, "user"), ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"reasoning_effort": 3}, "reasoning_effort"), ({"metadata": "x"}, "metadata"),
+        ({"metadata": {"a": 1}}, "metadata.a"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"store": True}, "store"), ({"store": "no"}, "store"),
+        ({"service_tier": "turbo"}, "service_tier"), ({"service_tier": 1}, "service_tier"))),
 ]
 
 
@@ -353,6 +365,32 @@ def test_bad_inputs_return_openai_errors_and_the_server_keeps_serving(server, oa
     wait_idle(server)
 
 
+def test_openais_unused_fields_are_accepted_and_service_tier_is_answered(server, oai):
+    """user, reasoning_effort, metadata, store: false, service_tier: accepted, no effect; a
+    named tier is answered as "default" (the one way every request is served)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            **GREEDY}
+    plain = oai.chat.completions.create(**chat)
+    assert plain.service_tier is None and "service_tier" not in plain.model_dump(
+        exclude_unset=True)
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
+        r = oai.chat.completions.create(**chat, reasoning_effort=effort)
+        assert r.choices[0].message.content == plain.choices[0].message.content
+    for tier in ("auto", "default", "flex", "scale", "priority", "fast"):
+        assert oai.chat.completions.create(**chat, service_tier=tier).service_tier == "default"
+    r = oai.chat.completions.create(**chat, user="u-1", metadata={"team": "a" * 512},
+                                    store=False)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={**chat, "store": None,
+                                                                   "metadata": None})
+    assert r.status_code == 200, r.text
+    chunks = list(oai.chat.completions.create(**chat, stream=True, service_tier="priority"))
+    assert chunks and {c.service_tier for c in chunks} == {"default"}
+    r = oai.completions.create(model=MODEL, prompt="hi", max_tokens=2, user="u-1")
+    assert r.usage.completion_tokens == 2
+    wait_idle(server)
+
+
 def test_overload_is_429_and_unexpected_errors_are_500(server, oai, monkeypatch):
     def full(requests):
         raise EngineOverloaded("3 requests are already waiting; retry later")
@@ -397,6 +435,30 @@ def test_metrics_report_latency_and_acceptance(server, oai):
     # one propose and one verify per batched round (rounds above count per sequence)
     drafts = m[("dflash_draft_time_per_round_seconds_count", ())]
     assert 0 < drafts == m[("dflash_verify_time_per_round_seconds_count", ())] <= rounds
+
+    # vLLM's names: each series equals its dflash_ twin sample for sample (one scrape)
+    twins = {vllm: ours for ours, names in VLLM_NAMES.items() for vllm in names}
+    assert set(twins) >= {"vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                          "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                          "vllm:spec_decode_num_accepted_tokens_per_pos"}
+    copies = 0
+    for (name, labels), value in m.items():
+        if name.startswith("vllm:") and not name.startswith(("vllm:request_success",
+                                                             "vllm:num_preemptions")):
+            family = max((v for v in twins if name.startswith(v)), key=len)
+            assert value == m[(twins[family] + name.removeprefix(family), labels)], name
+            copies += 1
+    assert copies > 100 and all(any(n.startswith(v) for n, _ in m) for v in twins)
+    by_reason: dict[str, float] = {}
+    for (name, labels), value in m.items():
+        if name == "dflash_requests_total":
+            reason = dict(labels)["finish_reason"]
+            by_reason[reason] = by_reason.get(reason, 0) + value
+    assert {dict(k[1])["finished_reason"]: v for k, v in m.items()
+            if k[0] == "vllm:request_success_total"} == by_reason
+    assert m[("vllm:num_preemptions_total", ())] == 0  # admission never over-commits pages
+    assert m[("vllm:request_generation_tokens_sum", ())] == m[
+        ("dflash_generation_tokens_total", ())]
 
 
 def test_oversized_requests_are_refused_before_they_are_read_or_tokenized(server, oai):
