@@ -61,8 +61,8 @@ class EngineDriver:
         self.client = LocalEngineClient(self.cluster.engine, model_name, max_waiting,
                                         recover=self._recover, after_step=self._wake_stream)
         c = self.client
-        log.info("engine ready: control channel %s, warm-up %s", self.cluster.channel_kind,
-                 self.cluster.engine.warmup)
+        log.info("engine ready: %s, tp %d, control channel %s", model_name, tp,
+                 self.cluster.channel_kind)
         return {"model_name": c.model_name, "max_model_len": c.max_model_len,
                 "vocab_size": c.vocab_size, "channel": self.cluster.channel_kind}
 
@@ -165,5 +165,5 @@ class EngineDriver:
     async def shutdown(self) -> None:
         if self.client is not None:
             await self.client.shutdown()
-        if self.cluster is not None:
-            self.cluster.shutdown()
+        if self.cluster is not None:  # off the event loop: it waits for the loops to stop
+            await asyncio.to_thread(self.cluster.shutdown)

@@ -26,6 +26,7 @@ same placement group."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import ray
@@ -48,8 +49,11 @@ from cluster.startup import start_parts
 from configs.engine import EngineConfig
 from draft.actor import DraftWorker
 from workers.channel import ChannelReader, ChannelWriter
+from workers.cuda_graphs import graph_batch_buckets
 from workers.messages import StepKind, StepMsg
 from workers.worker import TargetWorker
+
+log = logging.getLogger(__name__)
 
 # Generous: a first step on a GPU may compile Triton kernels for minutes.
 DEFAULT_STEP_TIMEOUT_S = 900.0
@@ -133,8 +137,9 @@ class RayParts:
                 scheduling_strategy=c.in_bundle(0 if shared else c.tp), max_restarts=0,
                 max_concurrency=LOOP_ACTOR_CONCURRENCY,
             ).remote(cfg, plan.block_size)
-            loads.append(c.draft.ping.remote())
-        wait_all(loads, timeout, "model load")
+            loads.append(c.draft.load_report.remote())
+        for report in wait_all(loads, timeout, "model load"):
+            log.info("%s", report.line())
         self.targets = RayMembers(c.workers, timeout, "target")
         self.draft = RayMembers([c.draft], timeout, "draft") if has_draft else None
 
@@ -164,9 +169,13 @@ class RayEngineCluster:
         self.use_gpu = cfg.device.startswith("cuda") if use_gpu is None else use_gpu
         self.owns_pg = pg is None
         self.separate_draft = separate_draft(cfg)
+        log.info("Ray at %s; starting the engine from node %s", ray.get_runtime_context()
+                 .gcs_address, ray.util.get_node_ip_address())
         self.pg = pg or placement_group(engine_bundles(tp, self.use_gpu, self.separate_draft),
                                         strategy="STRICT_PACK")
         ray.get(self.pg.ready())
+        log.info("placement group ready: %s (%s)", " + ".join(map(str, self.pg.bundle_specs)),
+                 "STRICT_PACK" if self.owns_pg else "the Serve replica's")
         self.workers: list = []
         self.draft = None
         self.loops: dict = {}  # each actor's serve_steps task → its name
@@ -187,8 +196,17 @@ class RayEngineCluster:
         self.plan = start_parts(RayParts(self), self.cfg, self.plan)
         self.executor = self._start_loops()
         engine = LLMEngine(self.cfg, self.executor, self.plan)
+        start = time.perf_counter()
         engine.warm_up()
         self.step_times.calibrate()
+        w, graphs = engine.warmup, "no CUDA graphs (enforce_eager)"
+        if not self.cfg.device.startswith("cuda"):
+            graphs = f"no CUDA graphs on {self.cfg.device}"
+        elif not self.cfg.enforce_eager:  # the warm-up's rounds capture them
+            graphs = (f"CUDA graphs captured for "
+                      f"{len(graph_batch_buckets(self.cfg.max_num_seqs))} batch sizes")
+        log.info("warm-up done in %.1f s: %d requests, %d steps; %s",
+                 time.perf_counter() - start, w.get("requests", 0), w.get("steps", 0), graphs)
         return engine
 
     def _actors(self) -> list:

@@ -21,6 +21,7 @@ import logging
 from ray import serve
 from ray.serve import Application
 
+from cluster.capacity import check_capacity
 from cluster.ray_executor import engine_bundles, separate_draft
 from configs.engine import EngineConfig
 from deploy.args import ServeArgs
@@ -90,6 +91,10 @@ def build_deployment(a: ServeArgs, num_replicas: int | None = None) -> Applicati
     cache); nothing is downloaded. Without them (a CPU head) each replica checks the files."""
     dirs = a.model_dirs(download=False)
     cfg = a.engine_config(dirs or (a.model, a.draft_model))  # the names stand in for the dirs
+    bundles = engine_bundles(a.tp, a.on_gpu, separate_draft(cfg))
+    # Before the files: Ray would wait forever for a group that fits no node.
+    check_capacity(bundles, "STRICT_PACK", f"this application (tp {a.tp}, GPUs per engine: "
+                   f"{sum(b.get('GPU', 0) for b in bundles):g})")
     if dirs is not None:
         a.check_files(cfg)
     else:
@@ -103,6 +108,5 @@ def build_deployment(a: ServeArgs, num_replicas: int | None = None) -> Applicati
     # redeploy, a downscale): past the grace period, so a drain (drain_engines) ends first.
     options["graceful_shutdown_timeout_s"] = a.shutdown_grace_s + DRAIN_MARGIN_S
     return DFlashServer.options(
-        placement_group_bundles=engine_bundles(a.tp, a.on_gpu, separate_draft(cfg)),
-        placement_group_strategy="STRICT_PACK", **options,
+        placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK", **options,
     ).bind(a)

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import ray
+from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import (
     get_current_placement_group,
@@ -172,6 +173,10 @@ class RayEngineClient:
         driver = ray.remote(EngineDriver).options(
             name=f"{DRIVER_NAME_PREFIX}{uuid.uuid4().hex[:12]}", num_cpus=0,
             max_concurrency=DRIVER_MAX_CONCURRENCY, max_restarts=0,
+            # Its blocking Ray calls run in threads (asyncio.to_thread, the engine thread),
+            # never on its event loop; Ray's warning is process-wide, so off as Ray Train's
+            # async controller has it (env_vars merge with the job's runtime_env).
+            runtime_env={"env_vars": {RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR: "0"}},
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=0),
         ).remote(*args)

@@ -8,6 +8,7 @@ pool); then `serve_steps` runs its step loop (workers/step_loop.py)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,7 @@ from draft.proposer import DraftRunner
 from target.loader import load_embedding_and_head
 from workers.aux_transport import AuxReceiver, AuxRingSpec
 from workers.cuda_graphs import graph_max_pages
+from workers.load_report import LoadReport, load_report, weight_bytes
 from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
 from workers.messages import ContextWrite, ProposeRequest
 from workers.step_loop import StepLoopEnds, run_draft_loop
@@ -34,16 +36,23 @@ class DraftWorker(StepLoopEnds):
         self.cfg, self.block_size = cfg, block_size
         on_gpu = cfg.device.startswith("cuda")
         self.device = device or (torch.device("cuda", 0) if on_gpu else torch.device("cpu"))
+        start = time.perf_counter()
         self.model = DFlashDraftModel.from_pretrained(cfg.draft_model, dtype=cfg.torch_dtype,
                                                       device=self.device, block_size=block_size,
                                                       load_format=cfg.load_format)
         self.model.set_kernels(cfg.kernels, graphs=self.device.type == "cuda"
                                and not cfg.enforce_eager)
+        embed_module = None
         if embed is None:
             embed_module, head = load_embedding_and_head(cfg.model, cfg.torch_dtype, self.device,
                                                          cfg.load_format)
             embed, lm_head = embed_module, (lambda h: head(h).float())
         self.embed, self.lm_head = embed, lm_head
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        own = (embed_module, head) if embed_module is not None else ()
+        self._load = load_report("draft", self.device, weight_bytes(self.model, *own),
+                                 time.perf_counter() - start)
         self.runner: DraftRunner | None = None
         self.aux_receiver: AuxReceiver | None = None
 
@@ -101,3 +110,7 @@ class DraftWorker(StepLoopEnds):
 
     def ping(self) -> bool:
         return True
+
+    def load_report(self) -> LoadReport:
+        """What the weight load (in the constructor) took."""
+        return self._load

@@ -28,6 +28,7 @@ from target.model import Qwen3_5MoeForCausalLM
 from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
 from workers.cache import allocate_target_caches, bytes_per_state_slot, bytes_per_token
 from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, graph_max_pages, num_scratch_pages
+from workers.load_report import LoadReport, load_report, weight_bytes
 from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
 from workers.model_runner import ModelRunner, SeqInput
 from workers.step_loop import StepLoopEnds, run_target_loop
@@ -72,7 +73,9 @@ class TargetWorker(StepLoopEnds):
         self._store_socket.listen()
         return host, self._store_socket.getsockname()[1]
 
-    def init_model(self, master_addr: str | None = None, master_port: int | None = None) -> int:
+    def init_model(self, master_addr: str | None = None,
+                   master_port: int | None = None) -> LoadReport:
+        """Joins the TP group and loads this rank's shard; returns what the load took."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.tp > 1:
             timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
@@ -85,8 +88,12 @@ class TargetWorker(StepLoopEnds):
             dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.tp,
                                     timeout=timeout)
         group = TPGroup(rank=self.rank, size=self.tp)
+        start = time.perf_counter()
         self.model = load_target(self.cfg.model, tp=group, dtype=self.cfg.torch_dtype,
                                  device=self.device, load_format=self.cfg.load_format)
+        self._sync()
+        report = load_report(f"target rank {self.rank}", self.device,
+                             weight_bytes(self.model), time.perf_counter() - start)
         self.model.set_kernels(self.cfg.kernels, graphs=self._graphs())
         if self.rank == 0 and self.device.type == "cuda":
             compiled = selection.pdl_compiled(self.cfg.kernels, self.device)
@@ -98,7 +105,7 @@ class TargetWorker(StepLoopEnds):
             self.aux_sender = make_aux_sender(
                 self.device, AUX_RING_SLOTS, self.aux_ring_rows, width, self.model.dtype,
                 pair=self.cfg.draft_placement == "separate")
-        return self.rank
+        return report
 
     def _graphs(self) -> bool:
         """Rounds replay CUDA graphs: on CUDA unless enforce_eager."""

@@ -4,6 +4,7 @@ tokens."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -77,12 +78,23 @@ def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, dr
         cluster.shutdown()
 
 
-def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference):
+def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference, caplog):
     """The cluster's engine has run its warm-up (a prompt in two chunks, then rounds) when the
-    constructor returns; a restart starts new actors, warms them up again and stays exact."""
+    constructor returns, saying each stage once, in order, from this (the driver's) process;
+    a restart starts new actors, warms them up again and stays exact."""
     prompts, params, want = reference
+    caplog.set_level(logging.INFO, logger="cluster")
     cluster = RayEngineCluster(config(draft=True), 2)
     try:
+        stages = ["Ray at ", "placement group ready: ", "dtype float32 on cpu",
+                  "target rank 0 on ", "target rank 1 on ", "draft on ", "memory plan: ",
+                  "kernels: ", "warm-up done in "]
+        lines = [r.getMessage() for r in caplog.records]
+        found = [[i for i, m in enumerate(lines) if m.startswith(s)] for s in stages]
+        assert all(len(f) == 1 for f in found), list(zip(stages, found, strict=True))
+        assert [f[0] for f in found] == sorted(f[0] for f in found)
+        assert "(cpu): weights " in lines[found[3][0]]
+        assert "no CUDA graphs on cpu" in lines[found[8][0]]
         warm = cluster.engine.warmup
         assert warm["requests"] >= 1 and warm["steps"] >= 3
         assert cluster.engine.stats.rounds == 0  # the warm-up's rounds are not counted
