@@ -51,6 +51,7 @@ def run(args) -> dict:
         cfg = EngineConfig(
             model=model, draft_model=draft_model, block_size=big_block, device=args.device,
             dtype=args.dtype, max_num_seqs=big_b, max_model_len=pages * args.page_size,
+            allow_long_max_model_len=True,  # sized by the steps timed, not by the model
             page_size=args.page_size, num_pages=big_b * pages,
             max_num_batched_tokens=max(big_b * args.prompt_len, 8192),
             enforce_eager=args.enforce_eager, load_format=load_format,

@@ -6,6 +6,7 @@ engine warms up, `LLMEngine.warm_up`). In process the parts are plain objects; i
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -22,10 +23,27 @@ from workers.worker import TargetWorker
 log = logging.getLogger(__name__)
 
 
+# vLLM's variable: "1" allows a max_model_len above the model's max_position_embeddings.
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
 def resolve_max_model_len(cfg: EngineConfig, target_config: TargetConfig) -> int:
     """The context length: the configured one, else the target's. Resolved here alone; the
-    plan hands it to the scheduler, the workers and the draft."""
-    return cfg.max_model_len or target_config.max_position_embeddings
+    plan hands it to the scheduler, the workers and the draft. Longer than the model's
+    max_position_embeddings only when allowed, as vLLM: `allow_long_max_model_len` or
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (past it, outputs may be garbage)."""
+    limit = target_config.max_position_embeddings
+    if cfg.max_model_len is None:
+        return limit
+    allowed = cfg.allow_long_max_model_len or os.environ.get(
+        ALLOW_LONG_MAX_MODEL_LEN_ENV, "").strip().lower() in ("1", "true")
+    if cfg.max_model_len > limit and not allowed:
+        raise ValueError(
+            f"max_model_len {cfg.max_model_len} is longer than the model's context "
+            f"(max_position_embeddings {limit} in its config.json): pass at most {limit}, or "
+            f"allow it with --allow-long-max-model-len (the YAML's allow_long_max_model_len: "
+            f"true) or {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1; past it, outputs may be garbage")
+    return cfg.max_model_len
 
 
 @dataclass(frozen=True)
@@ -95,25 +113,36 @@ class EngineParts(Protocol):
 def start_parts(parts: EngineParts, cfg: EngineConfig, plan: EnginePlan) -> EnginePlan:
     """Loads, connects, sizes the KV pool (measured on a GPU; the page count of a restart's
     plan is kept) and allocates; returns the plan with the page count."""
+    log.info("dtype %s on %s", str(cfg.torch_dtype).removeprefix("torch."), cfg.device)
     parts.load()
     if parts.draft is not None:
         parts.connect_aux()
+    kv_bytes = None  # KV bytes per page on one GPU: measured (CUDA) only
     if plan.num_pages is None:
         profiles = parts.targets.call("profile", plan.block_size, plan.max_model_len)
         if parts.draft is not None:  # after the target's: colocated, both measure one GPU
             profiles += parts.draft.call("profile", plan.max_model_len)
         peaks = [p.activation_peak for p in profiles if p is not None]
         plan = plan.with_measured_pages(profiles, cfg.max_num_seqs)
-        if peaks:
+        if peaks:  # rank 0's GPU (the draft's pages too where it shares it)
+            gpu0 = next(p.gpu_id for p in profiles if p is not None)
+            kv_bytes = sum(p.bytes_per_page for p in profiles
+                           if p is not None and p.gpu_id == gpu0)
             log.info("measured activation peaks of the largest steps at %d tokens of context: "
                      "%s GiB", plan.max_model_len, ", ".join(f"{p / 2**30:.2f}" for p in peaks))
     for members in (parts.targets, parts.draft):
         if members is not None:
             members.call("allocate", plan.num_pages, plan.max_model_len)
-    log.info("KV cache: %d pages of %d tokens (%d tokens); attention: %s", plan.num_pages,
-             cfg.page_size, plan.num_pages * cfg.page_size,
+    size = f", {plan.num_pages * kv_bytes / 2**30:.2f} GiB per GPU" if kv_bytes else ""
+    log.info("memory plan: KV cache %d pages of %d tokens (%d tokens%s), max_model_len %d, "
+             "max_num_seqs %d", plan.num_pages, cfg.page_size, plan.num_pages * cfg.page_size,
+             size, plan.max_model_len, cfg.max_num_seqs)
+    log.info("kernels: attention %s, experts %s, routing %s, recurrence %s",
              backend_name(cfg.device, cfg.torch_dtype,
-                          selection.attention_kernel(cfg.kernels, cfg.device)))
+                          selection.attention_kernel(cfg.kernels, cfg.device)),
+             selection.experts_kernel(cfg.kernels, cfg.device),
+             selection.routing_kernel(cfg.kernels, cfg.device),
+             selection.recurrence_kernel(cfg.kernels, cfg.device))
     return plan
 
 

@@ -80,6 +80,9 @@ class EngineConfig:
     dtype: str = "float32"
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None → the target's max_position_embeddings
+    # A max_model_len above the model's max_position_embeddings is refused unless this (or
+    # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) allows it: past it, outputs may be garbage.
+    allow_long_max_model_len: bool = False
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # None → enough for max_num_seqs full-length sequences
     seed: int = 0  # seeds the per-request generators of requests that bring no seed

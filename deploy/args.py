@@ -4,6 +4,7 @@ file when they are made; what reads the checkpoints (`check_files`) where those 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -23,6 +24,42 @@ from target.kernels import selection
 REPO = Path(__file__).resolve().parents[1]
 # Old names of application args, still read from a YAML's `args:` (old → new).
 RENAMED_ARGS = {"kv_block_size": "page_size", "num_kv_blocks": "num_pages"}
+
+
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+
+def parse_arg(name: str, type_: str, value):
+    """An application arg given as a string (`serve run deploy.app:app_builder tp=2` passes
+    every value so) read by its field's type; a typed value (the YAML's) as it is. ValueError
+    naming the field and the type expected."""
+    if not isinstance(value, str) or type_ in ("str", "str | None"):
+        return value
+    text = value.strip()
+    if type_.endswith("| None") and text.lower() in ("none", "null"):
+        return None
+    base = type_.removesuffix(" | None")
+    try:
+        if base == "int":
+            return int(text)
+        if base == "float":
+            return float(text)
+        if base == "bool":
+            if text.lower() in _TRUE + _FALSE:
+                return text.lower() in _TRUE
+            raise ValueError
+        if base in ("list[str]", "dict"):
+            parsed = json.loads(text)
+            if isinstance(parsed, list if base == "list[str]" else dict):
+                return parsed
+            raise ValueError
+    except ValueError:
+        expected = {"bool": "a boolean (true/false, 1/0, yes/no)",
+                    "list[str]": 'a JSON list of strings such as \'["*"]\'',
+                    "dict": "a JSON object", "int": "an integer", "float": "a number"}[base]
+        none = " or none" if type_.endswith("| None") else ""
+        raise ValueError(f"{name} must be {expected}{none}, got {value!r}") from None
+    return value
 
 
 def arg(default, help: str, *aliases: str, **extra):
@@ -65,6 +102,9 @@ class ServeArgs:
         None, "the API's model id (default: the model's Hub id, or its directory's name)")
     max_num_seqs: int = arg(64, "sequences decoded together")
     max_model_len: int | None = arg(None, "context length (default: the model's)")
+    allow_long_max_model_len: bool = arg(
+        False, "allow a --max-model-len above the model's max_position_embeddings (as vLLM's "
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; past it, outputs may be garbage)")
     max_num_batched_tokens: int | None = arg(
         None, "prompt tokens one prefill step feeds (default 8192)")
     page_size: int = arg(16, "tokens per KV page", "--block-size", "--kv-block-size")
@@ -222,7 +262,8 @@ class ServeArgs:
         if "model" not in args:
             raise ValueError("application args need 'model' (the target checkpoint: a "
                              "directory or a Hugging Face id)")
-        return cls(**args)
+        types = {f.name: f.type for f in fields(cls)}
+        return cls(**{k: parse_arg(k, types[k], v) for k, v in args.items()})
 
     @property
     def block_size(self) -> int | None:
@@ -287,9 +328,14 @@ class ServeArgs:
 
     def check_files(self, cfg: EngineConfig) -> SamplingDefaults:
         """The checks that read the checkpoints' files (`cfg`'s directories): the target's
-        config.json against `tp`, K against the draft's trained block, the chat template,
-        generation_config.json; returns the sampling defaults. ValueError naming the file."""
-        TargetConfig.from_pretrained(cfg.model).check_tp(self.tp)
+        config.json against `tp` and `max_model_len`, K against the draft's trained block, the
+        chat template, generation_config.json; returns the sampling defaults. ValueError naming
+        the file."""
+        from cluster.startup import resolve_max_model_len
+
+        target = TargetConfig.from_pretrained(cfg.model)
+        target.check_tp(self.tp)
+        resolve_max_model_len(cfg, target)  # max_model_len within the model's context
         self.check_draft_block(cfg.draft_model)
         chat_template_text(self.chat_template)
         return load_sampling_defaults(self.generation_config, cfg.model)

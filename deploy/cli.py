@@ -153,7 +153,10 @@ def generate(args: argparse.Namespace) -> dict:
     }
 
 
-def _init_ray(address: str | None, tp: int, metrics_export_port: int | None = None) -> None:
+def _init_ray(address: str | None, tp: int, metrics_export_port: int | None = None,
+              dashboard: bool = False):
+    """ray.init's context. `dashboard`: the Ray started here runs its dashboard (`serve`: the
+    state API of `ray list actors` is served by it too)."""
     import os
 
     import ray
@@ -162,11 +165,48 @@ def _init_ray(address: str | None, tp: int, metrics_export_port: int | None = No
         if metrics_export_port is not None:
             raise ValueError("--metrics-export-port sets up the Ray this command starts; with "
                              "--address pass it to `ray start` on each node instead")
-        ray.init(address=address)
-    else:  # logical CPUs: each TP worker holds one, whatever the core count
-        extra = {} if metrics_export_port is None else {
-            "_metrics_export_port": metrics_export_port}
-        ray.init(num_cpus=max(os.cpu_count() or 1, tp), include_dashboard=False, **extra)
+        return ray.init(address=address)
+    # logical CPUs: each TP worker holds one, whatever the core count
+    extra = {} if metrics_export_port is None else {"_metrics_export_port": metrics_export_port}
+    return ray.init(num_cpus=max(os.cpu_count() or 1, tp), include_dashboard=dashboard, **extra)
+
+
+def ready_hints(base: str, model_name: str, api_key: str | None, gcs_address: str,
+                dashboard_url: str | None) -> str:
+    """The lines `serve` prints once it serves, each command working as pasted: the API key as
+    $DFLASH_SERVE_API_KEY where it came from there, else as typed on the command line; Ray's
+    CLI with RAY_AUTH_MODE=token where Ray's token authentication is on (Ray 2.60's default for
+    a Ray that ray.init starts; the CLI given --address does not turn it on by itself, and
+    finds the token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)."""
+    import shlex
+    import shutil
+
+    auth = ""
+    if api_key:
+        from_env = os.environ.get(API_KEY_ENV) == api_key
+        header = f"Authorization: Bearer {'$' + API_KEY_ENV if from_env else api_key}"
+        auth = f'-H "{header}" ' if from_env else f"-H {shlex.quote(header)} "
+    body = json.dumps({"model": model_name, "prompt": "The quick brown fox", "max_tokens": 32})
+    lines = [f"try:\n  curl {base}/v1/completions -H 'Content-Type: application/json' {auth}"
+             f"-d {shlex.quote(body)}"]
+    if dashboard_url:  # `ray list` asks the dashboard's state API
+        # this environment's ray, also when its bin directory is not on PATH (make serve)
+        ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+        if not os.path.exists(ray_cli) or shutil.which("ray") == ray_cli:
+            ray_cli = "ray"
+        token = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+        # a local-only Ray (local_only_ray) answers Ray's CLI only under the same switch: else
+        # "Timed out while waiting for GCS to become available"
+        env = f"{LOCAL_RAY_ENV}=0 " if os.environ.get(LOCAL_RAY_ENV) == "0" else ""
+        env += "RAY_AUTH_MODE=token " if token else ""
+        lines.append(f"Ray cluster at {gcs_address}; its actors:\n  "
+                     f"{env}{shlex.quote(ray_cli)} list actors --address {gcs_address}")
+        url = dashboard_url if "://" in dashboard_url else f"http://{dashboard_url}"
+        lines.append(f"Ray dashboard: {url}"
+                     + (f" (its token: {shlex.quote(ray_cli)} get-auth-token)" if token else ""))
+    else:
+        lines.append(f"Ray cluster at {gcs_address} (no dashboard)")
+    return "\n".join(lines)
 
 
 # Where the CLI's default differs from ServeArgs': resolved when the flags are read.
@@ -194,8 +234,10 @@ def add_serve_args(parser: argparse.ArgumentParser,
             continue
         flags = [f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", ())]
         kw: dict = {"dest": f.name, "help": f.metadata.get("help")}
-        if f.metadata.get("required"):
-            kw["required"] = True
+        if f.name == "model":  # `serve MODEL`, as `vllm serve MODEL`, or --model MODEL
+            parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                                help="the model, as --model")
+            kw["default"] = None
         elif f.name in _CLI_DEFAULTS:
             kw["default"] = _CLI_DEFAULTS[f.name]
         elif f.name == "api_key":
@@ -334,7 +376,7 @@ def serve_forever(args: argparse.Namespace) -> int:
         # them; the proxies of the Ray started here ask for the API key on their own routes.
         become_subreaper()
         os.environ.update(proxy_env(sargs.api_key))
-    _init_ray(args.address, args.tp, args.metrics_export_port)
+    context = _init_ray(args.address, args.tp, args.metrics_export_port, dashboard=True)
     stop, force = threading.Event(), threading.Event()
 
     def on_signal(*_) -> None:  # the first: drain; a second: stop now
@@ -350,14 +392,10 @@ def serve_forever(args: argparse.Namespace) -> int:
         serve.run(app, name="dflash", route_prefix="/")
         node = NodeWatch(started_here)
         base = f"http://{args.host}:{args.port}"
-        auth = "-H \"Authorization: Bearer $" + API_KEY_ENV + "\" " if args.api_key else ""
+        hints = ready_hints(base, sargs.model_name, args.api_key,
+                            ray.get_runtime_context().gcs_address, context.dashboard_url)
         print(f"dflash-serve: serving {sargs.model_name!r} (tp {args.tp}, {device}) at {base}\n"
-              f"try:\n  curl {base}/v1/completions -H 'Content-Type: application/json' "
-              f"{auth}"
-              f"-d '{{\"model\": \"{sargs.model_name}\", \"prompt\": \"The quick brown fox\", "
-              f"\"max_tokens\": 32}}'\n"
-              f"Ray cluster at {ray.get_runtime_context().gcs_address} (ray list actors "
-              f"--address …)\nstop with Ctrl-C", flush=True)
+              f"{hints}\nstop with Ctrl-C", flush=True)
         while not stop.wait(1.0):
             lost = node.lost()
             if lost is not None:
@@ -390,9 +428,23 @@ def serve_forever(args: argparse.Namespace) -> int:
 DRAIN_SETTLE_S = 1.0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the positional MODEL and --model made one `model`."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    tag = args.__dict__.pop("model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        parser.error(f"the model is given twice, as {tag!r} and --model {args.model!r}: "
+                     f"give one")
+    args.model = tag or args.model
+    if args.model is None:
+        parser.error("the model is required: dflash-serve "
+                     f"{args.command} MODEL (or --model MODEL)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         if args.command == "serve":
             setup_logging()

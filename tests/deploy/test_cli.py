@@ -111,6 +111,14 @@ def test_serve_runs_until_sigterm_and_generate_tp2_equals_tp1():
             assert line and time.monotonic() < deadline, "".join(lines[-30:])
             lines.append(line)
         assert any(f"curl http://127.0.0.1:{port}/v1/completions" in line for line in lines)
+        # the printed `ray list actors`, run as pasted (Ray's token authentication is on)
+        ray_list = lines[next(i for i, line in enumerate(lines) if "its actors:" in line) + 1]
+        listed = subprocess.run(ray_list, shell=True, capture_output=True, text=True,
+                                timeout=120, env={k: v for k, v in env.items()
+                                                  if not k.startswith("RAY_AUTH")})
+        assert listed.returncode == 0 and "dflash-driver-" in listed.stdout, (
+            ray_list, listed.stdout[-2000:], listed.stderr[-2000:])
+        assert any(line.startswith("Ray dashboard: http://127.0.0.1:") for line in lines)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": "target", "prompt": "Hello",
                              "max_tokens": 6, "ignore_eos": True})
@@ -216,6 +224,46 @@ def test_generate_refuses_what_cannot_fit_and_a_model_that_is_a_file(capsys, tmp
     weights = next((DEMO / "target").glob("*.safetensors"))
     assert main(["generate", "--model", str(weights), "--prompt", "hi"]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_the_model_as_a_positional_argument_as_vllm_serve_takes_it(capsys):
+    from deploy.cli import parse_args
+
+    for command, rest in (("serve", ["--port", "9000"]), ("generate", ["--prompt", "hi"])):
+        assert parse_args([command, "org/m", *rest]).model == "org/m"
+        assert parse_args([command, *rest, "org/m"]).model == "org/m"
+        assert parse_args([command, "--model", "org/m", *rest]).model == "org/m"
+        assert parse_args([command, "org/m", "--model", "org/m", *rest]).model == "org/m"
+        with pytest.raises(SystemExit):
+            parse_args([command, "org/a", "--model", "org/b", *rest])
+        assert "given twice" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            parse_args([command, *rest])
+        assert "the model is required" in capsys.readouterr().err
+
+
+def test_the_printed_hints_work_as_pasted(monkeypatch):
+    from deploy.cli import API_KEY_ENV, LOCAL_RAY_ENV, ready_hints
+
+    base = "http://127.0.0.1:8000"
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv(LOCAL_RAY_ENV, "0")  # the Ray `serve` starts: its CLI needs it too
+    hints = ready_hints(base, "tiny-dflash", "from-env", "127.0.0.1:6379", "127.0.0.1:8265")
+    assert f'-H "Authorization: Bearer ${API_KEY_ENV}"' in hints  # the key stays out
+    assert '"model": "tiny-dflash"' in hints
+    assert f"{LOCAL_RAY_ENV}=0 RAY_AUTH_MODE=token " in hints
+    assert "list actors --address 127.0.0.1:6379" in hints
+    assert "Ray dashboard: http://127.0.0.1:8265" in hints and "get-auth-token" in hints
+    typed = ready_hints(base, "m", "typed key", "127.0.0.1:6379", None)
+    assert "-H 'Authorization: Bearer typed key'" in typed  # --api-key: as the user typed it
+    assert "list actors" not in typed and "(no dashboard)" in typed  # `ray list` needs one
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.delenv(API_KEY_ENV)
+    monkeypatch.delenv(LOCAL_RAY_ENV)
+    plain = ready_hints(base, "m", None, "127.0.0.1:6379", "127.0.0.1:8265")
+    assert "Authorization" not in plain and "RAY_AUTH_MODE" not in plain
+    assert LOCAL_RAY_ENV not in plain  # joined to a cluster (--address)
 
 
 def test_metrics_export_port_reaches_the_ray_serve_starts(monkeypatch):

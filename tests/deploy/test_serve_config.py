@@ -218,3 +218,61 @@ def test_page_size_keeps_its_other_spellings(tiny_demo):
     assert old == ServeArgs(model=target, page_size=8, num_pages=40)
     with pytest.raises(ValueError, match="kv_block_size is the old name of page_size"):
         ServeArgs.from_dict({"model": target, "kv_block_size": 8, "page_size": 8})
+
+
+def test_serve_run_key_value_args_are_strings_parsed_by_the_fields_type(tiny_demo):
+    # `serve run deploy.app:app_builder model=… tp=2 …` hands every value over as a string
+    target, draft = map(str, tiny_demo)
+    app = app_builder({"model": target, "draft_model": draft, "device": "cpu", "tp": "2",
+                       "gpu_memory_utilization": "0.5", "enforce_eager": "yes",
+                       "max_model_len": "none", "allowed_origins": '["http://a"]',
+                       "speculative_config": '{"num_speculative_tokens": 3}'})
+    a = app._bound_deployment.init_args[0]
+    assert (a.tp, a.gpu_memory_utilization, a.enforce_eager, a.max_model_len) == (
+        2, 0.5, True, None)
+    assert a.allowed_origins == ["http://a"] and a.speculative_num_draft_tokens == 3
+    assert ServeArgs.from_dict({"model": target, "allow_credentials": "0"}).allow_credentials \
+        is False
+    for key, value, expected in [("tp", "two", "tp must be an integer"),
+                                 ("enforce_eager", "maybe", "enforce_eager must be a boolean"),
+                                 ("allowed_origins", "*", "allowed_origins must be a JSON list"),
+                                 ("tp", "none", "tp must be an integer, got 'none'")]:
+        with pytest.raises(ValueError, match=expected):
+            app_builder({"model": target, "device": "cpu", key: value})
+
+
+def test_max_model_len_above_the_models_context_is_refused_unless_allowed(tiny_demo,
+                                                                        monkeypatch):
+    target, _ = map(str, tiny_demo)  # max_position_embeddings 1024
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    app_builder({"model": target, "device": "cpu", "max_model_len": 1024})
+    with pytest.raises(ValueError, match="max_position_embeddings 1024.*"
+                                         "--allow-long-max-model-len"):
+        app_builder({"model": target, "device": "cpu", "max_model_len": "2048"})
+    app_builder({"model": target, "device": "cpu", "max_model_len": 2048,
+                 "allow_long_max_model_len": "true"})
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    app_builder({"model": target, "device": "cpu", "max_model_len": 2048})
+
+
+def test_one_demo_name_and_the_documented_port_override(tmp_path):
+    """`make serve` and deploy/dflash-demo.yaml serve the demo pair under one name; the copy
+    DEPLOYMENT.md gives for another port is what Serve's schema reads as that port."""
+    import subprocess
+
+    repo = DEPLOY.parent
+    demo = yaml.safe_load((DEPLOY / "dflash-demo.yaml").read_text())
+    assert demo["applications"][0]["args"]["served_model_name"] == "tiny-dflash"
+    make = subprocess.run(["make", "-n", "serve"], cwd=repo, capture_output=True, text=True,
+                          check=True).stdout
+    assert "--served-model-name tiny-dflash" in make
+    other = subprocess.run(["make", "-n", "serve", "MODEL=org/m"], cwd=repo,
+                           capture_output=True, text=True, check=True).stdout
+    assert "--served-model-name" not in other
+    copy = tmp_path / "dflash-demo.yaml"
+    subprocess.run(f"sed 's/port: 8000/port: 9000/' deploy/dflash-demo.yaml > {copy}",
+                   shell=True, cwd=repo, check=True)
+    moved = ServeDeploySchema.model_validate(yaml.safe_load(copy.read_text()))
+    assert ServeDeploySchema.model_validate(demo).http_options.port == 8000
+    assert moved.http_options.port == 9000
+    assert moved.applications[0].args == demo["applications"][0]["args"]
