@@ -21,9 +21,10 @@ $(VENV)/.installed: pyproject.toml tools/constraints.txt
 
 # A local Ray cluster serving the tiny demo pair (target + trained DFlash draft) over the
 # OpenAI API on CPU, tp 2 (gloo); prints a ready-to-paste curl; Ctrl-C stops it cleanly.
-# MODEL/DRAFT/TP/DEVICE/PORT override it (e.g. a real checkpoint on a GPU host). The API's
-# model id: SERVED_NAME, by default tiny-dflash for the demo pair (as deploy/dflash-demo.yaml)
-# and for another MODEL its own default (the Hub id, or the directory's name).
+# MODEL/DRAFT/TP/DEVICE/PORT override it (e.g. a real checkpoint on a GPU host); SERVE_ARGS
+# adds any `dflash-serve serve` flags (e.g. SERVE_ARGS="--max-num-seqs 8"). The API's model
+# id: SERVED_NAME, by default tiny-dflash for the demo pair (as deploy/dflash-demo.yaml) and
+# for another MODEL its own default (the Hub id, or the directory's name).
 MODEL ?= tests/assets/tiny/target
 DRAFT ?= tests/assets/tiny/draft
 TP ?= 2
@@ -33,7 +34,7 @@ SERVED_NAME ?= $(if $(filter tests/assets/tiny/target,$(MODEL)),tiny-dflash)
 serve: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} RAY_USAGE_STATS_ENABLED=0 $(PY) -m deploy.cli serve \
 		--model $(MODEL) --draft-model $(DRAFT) --tp $(TP) --device $(DEVICE) --port $(PORT) \
-		$(if $(SERVED_NAME),--served-model-name $(SERVED_NAME))
+		$(if $(SERVED_NAME),--served-model-name $(SERVED_NAME)) $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m ruff check .

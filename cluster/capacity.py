@@ -13,8 +13,8 @@ import ray
 
 log = logging.getLogger(__name__)
 
-DEMO_HINT = ("on a machine without GPUs serve deploy/dflash-demo.yaml (the tiny demo pair on "
-             "CPU) instead")
+DEMO_HINT = ("on a machine without GPUs serve the tiny demo pair on CPU instead: "
+             "`serve run deploy/dflash-demo.yaml` or `make serve`")
 
 
 def need(bundles: list[dict[str, float]], strategy: str) -> dict[str, float]:
@@ -57,9 +57,12 @@ def autoscaler_may_add_nodes() -> bool:
         return True
 
 
-def check_capacity(bundles: list[dict[str, float]], strategy: str, what: str) -> None:
+def check_capacity(bundles: list[dict[str, float]], strategy: str, what: str,
+                   may_grow: bool | None = None) -> None:
     """Raises ValueError when no alive node can hold the group and no autoscaler could add
-    one; warns once when an autoscaler might. Needs Ray connected (a no-op otherwise)."""
+    one; warns once when an autoscaler might. `may_grow`: whether the cluster can gain nodes,
+    where the caller knows (False: a Ray it started itself); None asks the cluster. Needs Ray
+    connected (a no-op otherwise)."""
     if not ray.is_initialized():
         return
     needed, nodes = need(bundles, strategy), node_totals()
@@ -68,7 +71,7 @@ def check_capacity(bundles: list[dict[str, float]], strategy: str, what: str) ->
     have = "; ".join(", ".join(f"{k} {v:g}" for k, v in sorted(n.items())) for n in nodes)
     message = (f"{what} needs {', '.join(f'{k} {v:g}' for k, v in sorted(needed.items()))} "
                f"on one node per replica; the cluster's nodes have: {have or 'none'}")
-    if autoscaler_may_add_nodes():
+    if autoscaler_may_add_nodes() if may_grow is None else may_grow:
         log.warning("%s: no node holds it now; waiting for the autoscaler to add one", message)
         return
     raise ValueError(f"{message}, and no autoscaler can add one; {DEMO_HINT}")

@@ -142,7 +142,7 @@ def start_parts(parts: EngineParts, cfg: EngineConfig, plan: EnginePlan) -> Engi
                           selection.attention_kernel(cfg.kernels, cfg.device)),
              selection.experts_kernel(cfg.kernels, cfg.device),
              selection.routing_kernel(cfg.kernels, cfg.device),
-             selection.recurrence_kernel(cfg.kernels, cfg.device))
+             selection.recurrence_label(cfg.kernels, cfg.device))
     return plan
 
 

@@ -84,6 +84,18 @@ def app_builder(args: dict) -> Application:
     return build_deployment(ServeArgs.from_dict(dict(args)))
 
 
+def check_placement(a: ServeArgs, cfg=None, may_grow: bool | None = None) -> list[dict]:
+    """One engine's placement bundles, checked against the connected Ray cluster (a no-op
+    before Ray is up): Ray would wait forever for a group that fits no node. `cfg`: the engine
+    config where the caller has it; `may_grow` as check_capacity's."""
+    if cfg is None:
+        cfg = a.engine_config(a.model_dirs(download=False) or (a.model, a.draft_model))
+    bundles = engine_bundles(a.tp, a.on_gpu, separate_draft(cfg))
+    check_capacity(bundles, "STRICT_PACK", f"this application (tp {a.tp}, GPUs per engine: "
+                   f"{sum(b.get('GPU', 0) for b in bundles):g})", may_grow)
+    return bundles
+
+
 def build_deployment(a: ServeArgs, num_replicas: int | None = None) -> Application:
     """The application from its args alone. Fails here, in `serve run`, rather than in replicas
     that Serve would restart: every check that needs no files always, and those that read the
@@ -91,10 +103,7 @@ def build_deployment(a: ServeArgs, num_replicas: int | None = None) -> Applicati
     cache); nothing is downloaded. Without them (a CPU head) each replica checks the files."""
     dirs = a.model_dirs(download=False)
     cfg = a.engine_config(dirs or (a.model, a.draft_model))  # the names stand in for the dirs
-    bundles = engine_bundles(a.tp, a.on_gpu, separate_draft(cfg))
-    # Before the files: Ray would wait forever for a group that fits no node.
-    check_capacity(bundles, "STRICT_PACK", f"this application (tp {a.tp}, GPUs per engine: "
-                   f"{sum(b.get('GPU', 0) for b in bundles):g})")
+    bundles = check_placement(a, cfg)  # before the files
     if dirs is not None:
         a.check_files(cfg)
     else:

@@ -338,6 +338,26 @@ class NodeWatch:
 LOCAL_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+@contextlib.contextmanager
+def _quiet_serve_reconnect():
+    """serve.run says "Connecting to existing Serve app … New http_options/controller_options
+    will not be applied" of the Serve that serve.start started just before with these very
+    options: a line nobody can act on, left out."""
+    import logging
+
+    from ray.serve._private.constants import SERVE_LOGGER_NAME
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "will not be applied" not in record.getMessage()
+
+    logger = logging.getLogger(SERVE_LOGGER_NAME)
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def local_only_ray() -> None:
     """For the Ray this process is about to start, and the processes it starts."""
     os.environ[LOCAL_RAY_ENV] = "0"
@@ -359,7 +379,7 @@ def serve_forever(args: argparse.Namespace) -> int:
     if started_here:
         local_only_ray()  # before Ray is imported
 
-    from deploy.app import build_deployment
+    from deploy.app import build_deployment, check_placement
 
     device = sargs.device
     if started_here:  # the replicas run here: hub ids downloaded once, before Ray starts
@@ -377,6 +397,11 @@ def serve_forever(args: argparse.Namespace) -> int:
         become_subreaper()
         os.environ.update(proxy_env(sargs.api_key))
     context = _init_ray(args.address, args.tp, args.metrics_export_port, dashboard=True)
+    try:  # the Ray started here gains no nodes; a joined cluster is asked
+        check_placement(sargs, may_grow=False if started_here else None)
+    except ValueError:
+        ray.shutdown()
+        raise
     stop, force = threading.Event(), threading.Event()
 
     def on_signal(*_) -> None:  # the first: drain; a second: stop now
@@ -389,7 +414,8 @@ def serve_forever(args: argparse.Namespace) -> int:
         level = "DEBUG" if args.uvicorn_log_level == "trace" else args.uvicorn_log_level.upper()
         serve.start(http_options={"host": args.host, "port": args.port},
                     logging_config={"log_level": level})
-        serve.run(app, name="dflash", route_prefix="/")
+        with _quiet_serve_reconnect():
+            serve.run(app, name="dflash", route_prefix="/")
         node = NodeWatch(started_here)
         base = f"http://{args.host}:{args.port}"
         hints = ready_hints(base, sargs.model_name, args.api_key,
@@ -413,7 +439,11 @@ def serve_forever(args: argparse.Namespace) -> int:
     finally:
         if lost is None:
             with contextlib.suppress(Exception):
-                serve.shutdown()
+                # the app's replicas stop gracefully; Serve's own actors go with the Ray
+                # started here (serve.shutdown() would kill its controller from inside one of
+                # its tasks, which Ray reports as a failed task); on a cluster joined with
+                # --address, Serve is shut down as a whole, as it was started
+                serve.delete("dflash") if started_here else serve.shutdown()
             ray.shutdown()
         elif started_here:  # Ray cannot stop what it lost: end it here, the port first
             end_descendants()

@@ -44,6 +44,11 @@ def replay_state(k, v, g, beta, state) -> torch.Tensor:
 _FLA = None
 
 
+def has_fla() -> bool:
+    """fla's Gated DeltaNet kernels import here (they run on CUDA tensors only)."""
+    return _fla() is not None
+
+
 def _fla():
     global _FLA
     if _FLA is None:

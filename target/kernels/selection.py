@@ -16,6 +16,7 @@ import torch
 from configs.kernels import KernelConfig
 from target.kernels import (
     attention_triton,
+    gdn,
     gdn_prologue,
     gdn_slots,
     moe_route,
@@ -106,6 +107,17 @@ def recurrence_kernel(kcfg: KernelConfig, device: torch.device | str) -> str:
     """gdn_recurrence on this device: "slots" (as routing_kernel's triton) or "fla"."""
     return _triton_or(kcfg.gdn_recurrence, "gdn_recurrence", gdn_slots, device, "fla",
                       triton_name="slots")
+
+
+def recurrence_label(kcfg: KernelConfig, device: torch.device | str) -> str:
+    """recurrence_kernel as it runs, for the start-up log: "fla" falls back to the torch forms
+    off CUDA and where fla is not installed (target/kernels/gdn.py's dispatch)."""
+    kind = recurrence_kernel(kcfg, device)
+    if kind != "fla":
+        return kind
+    if torch.device(device).type != "cuda":
+        return "torch (fla runs on CUDA only)"
+    return "fla" if gdn.has_fla() else "torch (fla is not installed)"
 
 
 def gdn_prologue_kernel(kcfg: KernelConfig, device: torch.device | str) -> str:

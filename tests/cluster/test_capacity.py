@@ -53,3 +53,43 @@ def test_the_app_builder_fails_before_any_download_when_no_node_holds_the_engine
     args = {**config["applications"][0]["args"], "tp": 8, "draft_placement": "separate"}
     with pytest.raises(ValueError, match="GPU 9 on one node"):
         app_builder(args)
+
+
+def test_a_ray_started_here_fails_at_once_without_waiting_for_its_monitor(ray_cluster):
+    """`dflash-serve serve` knows the Ray it started gains no nodes: no autoscaler report
+    needed (the monitor's first one comes seconds later)."""
+    with pytest.raises(ValueError, match="no autoscaler can add one"):
+        check_capacity(engine_bundles(64, True), "STRICT_PACK", "tp 64", may_grow=False)
+
+
+@pytest.mark.parametrize("address", [None, "10.0.0.1:6379"])
+def test_serve_checks_the_placement_once_ray_is_up(monkeypatch, capsys, tiny_demo, address):
+    """`dflash-serve serve` asks the cluster after ray.init (the application builder ran
+    before Ray was up): a Ray it started itself cannot grow, a joined one is asked; a group
+    that fits nowhere exits 2 with the message, Ray shut down."""
+    import deploy.app
+    import deploy.cli
+    import deploy.process_tree
+
+    seen, calls = {}, []
+
+    real = deploy.app.check_placement  # the builder's call, before Ray is up: a no-op
+
+    def refuse(sargs, cfg=None, may_grow=None):
+        if "init" not in calls:
+            return real(sargs, cfg, may_grow)
+        seen["may_grow"] = may_grow
+        raise ValueError("this application needs GPU 64 on one node per replica")
+
+    monkeypatch.setattr(deploy.cli, "_init_ray", lambda *a, **k: calls.append("init"))
+    monkeypatch.setattr(deploy.app, "check_placement", refuse)
+    monkeypatch.setattr(deploy.cli, "local_only_ray", lambda: None)
+    monkeypatch.setattr(deploy.process_tree, "become_subreaper", lambda: None)
+    monkeypatch.setattr("deploy.proxy_auth.proxy_env", lambda key: {})
+    monkeypatch.setattr("ray.shutdown", lambda: calls.append("shutdown"))
+    target, draft = map(str, tiny_demo)
+    argv = ["serve", target, "--draft-model", draft, "--device", "cpu", "--port", "0"]
+    assert deploy.cli.main(argv + (["--address", address] if address else [])) == 2
+    assert seen["may_grow"] is (None if address else False)
+    assert calls == ["init", "shutdown"]
+    assert "needs GPU 64 on one node" in capsys.readouterr().err

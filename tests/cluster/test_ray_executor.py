@@ -94,6 +94,7 @@ def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference, ca
         assert all(len(f) == 1 for f in found), list(zip(stages, found, strict=True))
         assert [f[0] for f in found] == sorted(f[0] for f in found)
         assert "(cpu): weights " in lines[found[3][0]]
+        assert "recurrence torch (fla runs on CUDA only)" in lines[found[7][0]]
         assert "no CUDA graphs on cpu" in lines[found[8][0]]
         warm = cluster.engine.warmup
         assert warm["requests"] >= 1 and warm["steps"] >= 3

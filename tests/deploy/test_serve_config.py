@@ -3,7 +3,6 @@ ServeArgs, and the demo config builds an application (nothing is deployed)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -151,36 +150,6 @@ def test_chat_template_from_a_file_or_inline(tmp_path):
     tok = with_chat_template(load_tokenizer(str(Path(__file__).parents[1] / "assets/tiny/target")),
                              str(tmp_path / "t.jinja"))
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
-
-
-def test_the_documented_command_lines_of_other_stacks_parse_and_check(tiny_demo, tmp_path,
-                                                                       monkeypatch):
-    """docs/DEPLOYMENT.md's vLLM / SGLang / lmdeploy lines, with the tiny pair for M and D:
-    parsed, turned into ServeArgs and checked as `serve run` would (nothing started)."""
-    import re
-    import shlex
-
-    from deploy.app import build_deployment
-    from deploy.cli import build_parser, serve_args
-
-    target, draft = map(str, tiny_demo)
-    trained = DraftConfig.from_pretrained(draft).block_size
-    doc = (Path(__file__).parents[2] / "docs" / "DEPLOYMENT.md").read_text()
-    block = doc.split("The same server as other stacks spell it")[1].split("```")[1]
-    commands = [c for c in re.sub(r"\\\n\s*", "", block).splitlines() if c.startswith("dflash")]
-    assert len(commands) == 3
-    (tmp_path / "template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("KEY", "k")
-    for line in commands:
-        line = line.replace('"$KEY"', "k").replace(" M ", f" {target} ").replace(
-            '"D"', json.dumps(draft)).replace(" D ", f" {draft} ")
-        # the tiny draft's block, where the lines give the 35B draft's 16 (K = 15)
-        line = line.replace("16", str(trained)).replace("15", str(trained - 1))
-        argv = shlex.split(line)[1:] + ["--device", "cpu"]
-        sargs = serve_args(build_parser().parse_args(argv))
-        build_deployment(sargs)  # engine config, TP, draft block and chat template checks
-        assert sargs.draft_model == draft and sargs.block_size == trained
 
 
 def test_one_field_list_for_the_yaml_the_cli_and_the_engine(tiny_demo):

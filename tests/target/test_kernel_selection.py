@@ -47,7 +47,7 @@ def test_auto_takes_the_triton_kernels_on_cuda_only():
     """The defaults measured fastest on the H200 (docs/BENCHMARKS.md): on a CUDA device the
     router's Triton kernel, the in-place GDN recurrence and both Triton prologues; elsewhere
     their torch / fla references, never the interpreter unless asked for."""
-    from target.kernels import gdn_slots, moe_route
+    from target.kernels import gdn, gdn_slots, moe_route
 
     default = KernelConfig()
     on = (selection.routing_kernel, selection.recurrence_kernel,
@@ -57,6 +57,11 @@ def test_auto_takes_the_triton_kernels_on_cuda_only():
         return tuple(resolve(config, device) for resolve in on)
 
     assert resolved(default, "cpu") == ("torch", "fla", "torch", "torch")
+    # the start-up log names what runs: off CUDA the "fla" choice is the torch reference
+    assert selection.recurrence_label(default, "cpu") == "torch (fla runs on CUDA only)"
+    fla = KernelConfig(gdn_recurrence="fla")
+    assert selection.recurrence_label(fla, "cuda") in ("fla", "torch (fla is not installed)")
+    assert (selection.recurrence_label(fla, "cuda") == "fla") == gdn.has_fla()
     if moe_route.triton is None or gdn_slots.triton is None:
         pytest.skip("Triton is not installed")
     assert resolved(default, "cuda") == ("triton", "slots", "triton", "triton")
