@@ -81,6 +81,7 @@ def test_serve_checks_the_placement_once_ray_is_up(monkeypatch, capsys, tiny_dem
         seen["may_grow"] = may_grow
         raise ValueError("this application needs GPU 64 on one node per replica")
 
+    monkeypatch.setattr(deploy.cli, "setup_logging", lambda: None)  # the process's logging
     monkeypatch.setattr(deploy.cli, "_init_ray", lambda *a, **k: calls.append("init"))
     monkeypatch.setattr(deploy.app, "check_placement", refuse)
     monkeypatch.setattr(deploy.cli, "local_only_ray", lambda: None)

@@ -50,7 +50,6 @@ def reference():
                           (2, True, True, "colocated", "auto"),
                           (2, False, False, "colocated", "auto"),
                           (4, True, False, "colocated", "auto"),
-                          (4, False, False, "colocated", "auto"),
                           (1, True, True, "separate", "auto"),
                           (2, True, True, "separate", "auto"),
                           (2, True, False, "colocated", "tcp")])

@@ -40,7 +40,7 @@ def test_kills_under_load_end_every_stream_and_lose_nothing():
 
 
 def test_a_short_soak_loses_nothing_and_leaves_nothing():
-    r = chaos.main_result(["soak", "--duration", "40", "--clients", "4", "--kill-every", "8"])
+    r = chaos.main_result(["soak", "--duration", "20", "--clients", "4", "--kill-every", "6"])
     assert r["requests"] > 0 and "cut" not in r["endings"], r["endings"]
     assert set(r["endings"]) <= {"finished", "cancelled", "error:engine_step_failed"}, r
     assert r["kills"] and all(k["health_back_s"] is not None for k in r["kills"])

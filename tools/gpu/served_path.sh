@@ -14,8 +14,9 @@
 #        jiter, sniffio, h11, distro, prometheus_client
 #        OUT=/some/dir bash tools/gpu/served_path.sh [tests inproc inproc_torch cluster serve]
 # (timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SERVE_TIMEOUT seconds; BENCH_ITERS, SERVE_PROMPTS;
-#  SERVE_ONLY=spec skips the AR server; SERVE_ARGS adds serve flags, e.g. "--max-model-len 32768"
-#  where the model's full context does not fit the card, as on an 80 GB H100)
+#  SERVE_ONLY=spec skips the AR server; SERVE_ARGS adds serve flags: on an 80 GB H100 the 35B-A3B
+#  pair's weights (64.6 + 2.8 GiB) leave no KV pages at the defaults, so there
+#  SERVE_ARGS="--max-model-len 32768 --max-num-seqs 8 --gpu-memory-utilization 0.97")
 set -u
 OUT=${OUT:-/tmp/gpu_served_path}; mkdir -p "$OUT"
 . tools/gpu/env.sh  # .whl/ → /tmp/site, PYTHONPATH
@@ -38,6 +39,12 @@ serve_and_measure() {  # name, extra serve flags
     --load-format dummy --tp 1 --device cuda --port $port --served-model-name dummy ${SERVE_ARGS:-} \
     > "$OUT/serve_$name.log" 2>&1 &
   for _ in $(seq 300); do sleep 1; grep -q "Ctrl-C\|Error\|error:" "$OUT/serve_$name.log" && break; done
+  if ! grep -q "Ctrl-C" "$OUT/serve_$name.log"; then
+    echo "$name: did not start ($((SECONDS - t0)) s):" | tee -a "$OUT/serve_times.txt"
+    grep -E "Error|error:" "$OUT/serve_$name.log" | tail -2 | cut -c1-600
+    stop_server 10
+    return
+  fi
   echo "$name: ready after $((SECONDS - t0)) s" | tee -a "$OUT/serve_times.txt"
   timeout ${SERVE_TIMEOUT:-420} python3 -m bench.serving --base-url http://127.0.0.1:$port \
     --concurrency 1 8 --num-prompts ${SERVE_PROMPTS:-16} --prompt-len 512 --output-len 128 \
