@@ -362,7 +362,7 @@ async def run_kill(args) -> dict:
     if args.api_key:
         out["proxy_routes"] = await proxy_routes(server.url)
     try:
-        for role in ("worker", "draft", "driver"):
+        for role in args.roles:
             async with httpx.AsyncClient(timeout=300) as c:
                 tasks = await streams_under_way(c, server.url, args.streams)
                 t = await asyncio.to_thread(kill, server, role)
@@ -612,6 +612,9 @@ def main_result(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--grace", type=float, default=10.0, help="drain: --shutdown-grace-s")
     p.add_argument("--streams", type=int, default=16, help="kill: streams in flight")
+    p.add_argument("--roles", nargs="+", choices=["worker", "draft", "driver"],
+                   default=["worker", "draft", "driver"],
+                   help="kill: the actors killed in turn, before the raylet")
     p.add_argument("--duration", type=float, default=1200.0, help="soak: seconds")
     p.add_argument("--clients", type=int, default=12, help="soak: concurrent clients")
     p.add_argument("--kill-every", type=float, default=240.0, help="soak: seconds")
