@@ -156,6 +156,11 @@ class _SamplingRequest(BaseModel):
             value = (self.model_extra or {}).get(name)
             if value not in NEUTRAL and not (name in NO_OP and value == NO_OP[name]):
                 raise RequestError(f"{name} is not supported by this server", name)
+        # both endpoints (vLLM takes it on /v1/completions too): never a silent free-text 200
+        fmt = (self.model_extra or {}).get("response_format")
+        if fmt not in (None, {"type": "text"}):
+            raise RequestError("response_format is not supported by this server",
+                               "response_format")
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got "
                                f"{len(self.stop_strings)}", "stop")
@@ -291,10 +296,6 @@ class ChatCompletionRequest(_SamplingRequest):
                                "metadata")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-        fmt = (self.model_extra or {}).get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise RequestError("response_format is not supported by this server",
-                               "response_format")
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs

@@ -89,6 +89,9 @@ def catalogue(model: str) -> list[tuple[str, str, bytes] | tuple[str, str, bytes
     cases.append(("response_format json", chat, body({
         "model": model, "messages": [{"role": "user", "content": "x"}],
         "response_format": {"type": "json_object"}})))
+    cases.append(("response_format json_schema on completions", comp, body({
+        "model": model, "prompt": "x", "response_format": {
+            "type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}})))
     user = [{"role": "user", "content": "x"}]
     template_kwargs = [  # the chat template's inputs are an allow-list
         ("chat_template_kwargs return_tensors pt", {"return_tensors": "pt"}),
