@@ -122,6 +122,9 @@ class RayParts:
         aux_ring_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * plan.block_size)
         aux_ring_rows = aux_ring_rows if has_draft else 0
         worker_cls = ray.remote(TargetWorker)
+        log.info("starting %d target worker%s%s: each process imports torch and sets up its "
+                 "device, then loads its weights", c.tp, "s" if c.tp > 1 else "",
+                 " and the draft actor" if has_draft else "")
         c.workers = [
             worker_cls.options(num_cpus=1, num_gpus=gpus(0.5 if (i == 0 and shared) else 1),
                                scheduling_strategy=c.in_bundle(i), max_restarts=0,
@@ -130,6 +133,7 @@ class RayParts:
             for i in range(c.tp)
         ]
         addr, port = wait_all([c.workers[0].address.remote()], timeout, "rank 0 address")[0]
+        log.info("target rank 0 is up at %s:%d; loading the weights", addr, port)
         loads = [w.init_model.remote(addr, port) for w in c.workers]
         if has_draft:  # alongside the target (colocated: its weights count in rank 0's profile)
             c.draft = ray.remote(DraftWorker).options(

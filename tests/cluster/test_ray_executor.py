@@ -86,15 +86,17 @@ def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference, ca
     cluster = RayEngineCluster(config(draft=True), 2)
     try:
         stages = ["Ray at ", "placement group ready: ", "dtype float32 on cpu",
+                  "starting 2 target workers and the draft actor", "target rank 0 is up at ",
                   "target rank 0 on ", "target rank 1 on ", "draft on ", "memory plan: ",
                   "kernels: ", "warm-up done in "]
         lines = [r.getMessage() for r in caplog.records]
         found = [[i for i, m in enumerate(lines) if m.startswith(s)] for s in stages]
         assert all(len(f) == 1 for f in found), list(zip(stages, found, strict=True))
         assert [f[0] for f in found] == sorted(f[0] for f in found)
-        assert "(cpu): weights " in lines[found[3][0]]
-        assert "recurrence torch (fla runs on CUDA only)" in lines[found[7][0]]
-        assert "no CUDA graphs on cpu" in lines[found[8][0]]
+        at = dict(zip(stages, (f[0] for f in found), strict=True))
+        assert "(cpu): weights " in lines[at["target rank 0 on "]]
+        assert "recurrence torch (fla runs on CUDA only)" in lines[at["kernels: "]]
+        assert "no CUDA graphs on cpu" in lines[at["warm-up done in "]]
         warm = cluster.engine.warmup
         assert warm["requests"] >= 1 and warm["steps"] >= 3
         assert cluster.engine.stats.rounds == 0  # the warm-up's rounds are not counted
