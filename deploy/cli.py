@@ -439,11 +439,13 @@ def serve_forever(args: argparse.Namespace) -> int:
     finally:
         if lost is None:
             with contextlib.suppress(Exception):
-                # the app's replicas stop gracefully; Serve's own actors go with the Ray
-                # started here (serve.shutdown() would kill its controller from inside one of
-                # its tasks, which Ray reports as a failed task); on a cluster joined with
-                # --address, Serve is shut down as a whole, as it was started
-                serve.delete("dflash") if started_here else serve.shutdown()
+                if started_here:
+                    # the app's replicas stop gracefully; Serve's own actors go with this Ray
+                    # (serve.shutdown() would kill its controller from inside one of its
+                    # tasks, which Ray reports as a failed task)
+                    serve.delete("dflash")
+                else:  # a cluster joined with --address: Serve shut down as it was started
+                    serve.shutdown()
             ray.shutdown()
         elif started_here:  # Ray cannot stop what it lost: end it here, the port first
             end_descendants()
