@@ -3,8 +3,9 @@ Ray cluster), each printing and writing its figures as JSON (docs/RELIABILITY.md
 
     python -m tools.chaos drain    [--grace 10]        # SIGTERM with 8 streams open
     python -m tools.chaos kill     [--streams 16]      # a second server on the port; SIGKILL of
-                                                       # a TP worker, the draft, the driver; then
-                                                       # of the raylet (the server must exit)
+                                                       # a TP worker, the draft, the driver
+                                                       # (--roles: which); then of the raylet
+                                                       # (the server must exit)
     python -m tools.chaos freeze   [--streams 16]      # SIGSTOP of a TP worker, of the driver
     python -m tools.chaos abandon  [--requests 200]    # clients that leave at any moment
     python -m tools.chaos overload                     # 3 requests of n = 256 at once
