@@ -106,6 +106,7 @@ class LLMEngine:
                                    lookahead=self.block_size,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.eos_ids = read_eos_ids(cfg.model, self.target_config.eos_token_ids)
+        self._eos_tuple = tuple(sorted(self.eos_ids))
         self.stats = AcceptanceStats()
         self.draft_time = TimeAccumulator()  # per proposal, where the draft runs
         self.verify_time = TimeAccumulator()  # per round: target forward + accept + commit
@@ -130,6 +131,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         vocab = self.target_config.vocab_size
+        params.check_vocab(vocab)
         # exact ints only: a tensor or numpy value would reach the workers as something else
         if any(type(t) is not int or not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
@@ -186,7 +188,8 @@ class LLMEngine:
         if not plan.prefill and not plan.decode:
             return False
         seqs = plan.prefill or plan.decode
-        new = [NewSeq(s.seq_id, s.prompt_ids, s.block_table, s.state_slot, s.params)
+        new = [NewSeq(s.seq_id, s.prompt_ids, s.block_table, s.state_slot, s.params,
+                      self._eos_tuple if s.params.has_controls else ())
                for s in seqs if s.seq_id not in self._sent]
         self._sent.update(s.seq_id for s in seqs)
         common = {"step_id": self._next_step_id(), "seq_ids": [s.seq_id for s in seqs],
@@ -259,7 +262,9 @@ class LLMEngine:
         kept = len(tokens)
         for i, tok in enumerate(tokens):
             seq.output_ids.append(tok)
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            # a grammar's end (its end token) stops the sequence even with ignore_eos
+            if (tok in self.eos_ids and (not p.ignore_eos or p.grammar is not None)) \
+                    or tok in p.stop_token_ids:
                 self.scheduler.finish(seq, "stop")
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.scheduler.finish(seq, "length")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from workers.channel import ChannelReader, ChannelTimeout, ChannelWriter
+from workers.controls import ControlsEnv
 from workers.messages import StepKind, StepMsg, StepResult
 from workers.stepper import (
     Drafter,
@@ -50,10 +51,11 @@ def execute(executor: Executor, msg: StepMsg) -> StepResult:
 
 
 class LocalExecutor:
-    def __init__(self, runner: TargetRunner, drafter: Drafter | None):
+    def __init__(self, runner: TargetRunner, drafter: Drafter | None,
+                 controls: ControlsEnv | None = None):
         self.runner, self.drafter = runner, drafter
-        self.target = TargetStepper(runner)
-        self.draft = DraftStepper(drafter) if drafter is not None else None
+        self.target = TargetStepper(runner, controls)
+        self.draft = DraftStepper(drafter, controls) if drafter is not None else None
         self._done: list[StepResult] = []
 
     def submit(self, msg: StepMsg) -> None:
@@ -76,6 +78,8 @@ class LocalExecutor:
         if msg.kind is not StepKind.PREFILL and msg.kind is not StepKind.ROUND:
             raise ValueError(f"{msg.kind.name} steps address worker actors; none in process")
         out, verify_s = self.target.run(msg, drafts)
+        if self.draft is not None:
+            self.draft.commit(msg, out.new_tokens)
         if self.draft is not None and draft_writes_context(msg):
             self.draft.write_context(msg, out.aux, committed_counts(msg, out.num_accepted))
         return StepResult(msg.step_id, out.new_tokens, out.num_accepted, propose_s=propose_s,

@@ -180,4 +180,4 @@ def start_in_process(cfg: EngineConfig, plan: EnginePlan) -> tuple[LocalExecutor
     parts = LocalParts(cfg, plan)
     plan = start_parts(parts, cfg, plan)
     drafter = parts.drafter.runner if parts.drafter is not None else None
-    return LocalExecutor(parts.worker.runner, drafter), plan
+    return LocalExecutor(parts.worker.runner, drafter, parts.worker.controls), plan

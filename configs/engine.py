@@ -12,6 +12,29 @@ from configs.kernels import KernelConfig, parse_choices
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The most alternatives a token's log-probabilities may list (vLLM's max_logprobs default).
 MAX_LOGPROBS = 20
+# OpenAI's ranges for the penalties and the logit bias.
+PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# What a structured output is constrained by (vLLM's structured_outputs keys, with
+# json_object for OpenAI's response_format {"type": "json_object"}).
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A structured output's constraint, as text: json — a JSON schema (serialized);
+    json_object — any JSON object (value ""); regex; choice — a JSON list of the strings;
+    grammar — EBNF (GBNF as llama.cpp and xgrammar read it); structural_tag — xgrammar's
+    structural tag (JSON). Compiled by workers/grammar.py."""
+
+    kind: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+        if not isinstance(self.value, str):
+            raise ValueError(f"grammar value must be a string, got {type(self.value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -28,6 +51,20 @@ class SamplingParams:
     logprobs: int | None = None
     # The same for every prompt token after the first (echo, prompt_logprobs); None: none.
     prompt_logprobs: int | None = None
+    # The controls below are vLLM's, with its semantics (workers/controls.py applies them, in
+    # vLLM's order): presence and frequency over the generated tokens, repetition over the
+    # prompt and the generated tokens; min_p after temperature.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # the sequence's end tokens are banned before this many are generated
+    # token-id sequences never generated: a single token always banned, a longer one's last
+    # token banned after the others (the API tokenizes bad_words strings into these)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be generated
+    grammar: GrammarSpec | None = None  # structured output
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -49,10 +86,81 @@ class SamplingParams:
                                       or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got "
                                  f"{value!r}")
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        lo, hi = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_number(value) and lo <= value <= hi):
+                raise ValueError(f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+        if not (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 100):
+            raise ValueError(f"repetition_penalty must be a number in (0, 100], got "
+                             f"{self.repetition_penalty!r}")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]"
+                             f", got {self.min_tokens!r}")
+        lo, hi = LOGIT_BIAS_RANGE
+        bias = tuple((_token_id(t, "logit_bias"), float(b)) for t, b in self.logit_bias)
+        if any(not (_is_number(b) and lo <= b <= hi) for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias values must be numbers in [{lo:g}, {hi:g}]")
+        object.__setattr__(self, "logit_bias", bias)
+        words = tuple(tuple(_token_id(t, "bad_words") for t in w)
+                      for w in self.bad_words_token_ids)
+        if any(not w for w in words):
+            raise ValueError("bad_words must not hold an empty sequence")
+        object.__setattr__(self, "bad_words_token_ids", words)
+        if self.allowed_token_ids is not None:
+            allowed = tuple(_token_id(t, "allowed_token_ids") for t in self.allowed_token_ids)
+            if not allowed:
+                raise ValueError("allowed_token_ids must not be empty")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    @property
+    def has_controls(self) -> bool:
+        """Anything that changes the logits before the token is picked (workers/controls.py);
+        min_p acts on the probabilities instead (workers/sampling.py)."""
+        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+                or bool(self.bad_words_token_ids) or self.allowed_token_ids is not None
+                or self.grammar is not None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id the controls name is below vocab_size (ValueError naming the
+        field)."""
+        named = (("logit_bias", [t for t, _ in self.logit_bias]),
+                 ("bad_words", [t for w in self.bad_words_token_ids for t in w]),
+                 ("allowed_token_ids", self.allowed_token_ids or ()),
+                 ("stop_token_ids", self.stop_token_ids))
+        for name, ids in named:
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and value == value and abs(value) != float("inf")
+
+
+def _token_id(value: object, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{field}: token ids must be integers, got {value!r}")
+    return value
 
 
 # Where the weights come from: "auto" the checkpoints' safetensors; "dummy" random weights

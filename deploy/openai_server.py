@@ -39,9 +39,11 @@ from deploy.protocol import (
     RequestError,
     SamplingDefaults,
     TokenizeRequest,
+    value_error,
 )
 from deploy.request_body import parse_body, read_body
 from deploy.responses import Responses, sse
+from deploy.sampling_controls import GrammarCheck, bad_words_token_ids
 from deploy.token_text import TokenTexts
 
 # A text prompt of more characters than the context × this cannot fit and is refused before
@@ -61,6 +63,7 @@ class OpenAIServer:
             tokenizer, RenderLimits(max_chars=self.max_chars), trust_request_chat_template)
         self.tokens = TokenTexts(tokenizer)
         self.responses = Responses(client, tokenizer, self.tokens)
+        self.grammars = GrammarCheck(tokenizer, client.vocab_size)
 
     # ---- the request ---------------------------------------------------------------------
 
@@ -206,12 +209,17 @@ class OpenAIServer:
                 ("echo", not chat and bool(req.echo))) if on]
             if needs_text:  # token texts: the first field that asks for them names the error
                 self._need_tokenizer(needs_text[0])
+            if req.bad_words:
+                self._need_tokenizer("bad_words")
+            bad_words = bad_words_token_ids(self.tokenizer, req.bad_words) \
+                if req.bad_words else ()
             prompts = await self._prompts(req)
             budgets = [self._max_tokens(req, len(ids)) for ids, _ in prompts]
             check_response_size(req, [ids for ids, _ in prompts], budgets)
+            await self.grammars.check(req)  # compiled off the event loop; 400 if it does not
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             n = req.num_choices
-            wanted = self._engine_requests(req, request_id, prompts, budgets)
+            wanted = self._engine_requests(req, request_id, prompts, budgets, bad_words)
             # Every choice admitted at once, or none (429 at once when they do not fit). Not
             # under unless_disconnected: its streams would be lost with a disconnect that
             # came as they were returned; a cancellation while it runs aborts them itself.
@@ -241,14 +249,19 @@ class OpenAIServer:
         return JSONResponse(response.model_dump(mode="json"))
 
     def _engine_requests(self, req, request_id: str,
-                         prompts: list[tuple[list[int], str | None]], budgets: list[int]
+                         prompts: list[tuple[list[int], str | None]], budgets: list[int],
+                         bad_words: tuple[tuple[int, ...], ...] = ()
                          ) -> list[tuple[EngineRequest, list[int], bool]]:
         """One engine request per choice, prompt-major: (the request, its prompt ids, whether
         it only echoes the prompt)."""
         n = req.num_choices
         wanted: list[tuple[EngineRequest, list[int], bool]] = []
         for (ids, _), budget in zip(prompts, budgets, strict=True):
-            base = req.sampling_params(max(budget, 1), self.defaults)
+            base = req.sampling_params(max(budget, 1), self.defaults, bad_words)
+            try:
+                base.check_vocab(self.client.vocab_size)
+            except ValueError as e:
+                raise value_error(e) from None
             for j in range(n):  # with a seed, choice j samples with seed + j
                 params = base if base.seed is None else \
                     dataclasses.replace(base, seed=base.seed + j)

@@ -1,12 +1,15 @@
 """The subset of the OpenAI API we serve, as pydantic models, and its error shape.
 
 Requests are parsed leniently where OpenAI's clients send extras (unknown fields are ignored)
-but strictly where silence would mislead: a feature we do not implement (penalties, tools,
-vLLM's guided decoding, ...) is a 400 naming the field, never quietly dropped, and a value of
-the wrong JSON type is a 400, never coerced ("16" is not a max_tokens).
+but strictly where silence would mislead: a feature we do not implement (tools, beam search,
+...) is a 400 naming the field, never quietly dropped, and a value of the wrong JSON type is a
+400, never coerced ("16" is not a max_tokens).
 Extensions (vLLM's names): `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
-`prompt_logprobs`. OpenAI fields clients send routinely (`user`, and in chat
-`reasoning_effort`, `metadata`, `service_tier`) are typed and accepted without effect;
+`prompt_logprobs`, the sampling controls (`repetition_penalty`, `min_p`, `min_tokens`,
+`bad_words`, `allowed_token_ids`) and structured outputs (`structured_outputs`, and the older
+`guided_json`/`guided_regex`/`guided_choice`/`guided_grammar`). OpenAI fields clients send
+routinely (`user`, and in chat `reasoning_effort`, `metadata`, `service_tier`) are typed and
+accepted without effect;
 `store: true` is refused (docs/API.md).
 """
 
@@ -21,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from configs.engine import MAX_LOGPROBS, SamplingParams
+from configs.engine import MAX_LOGPROBS, GrammarSpec, SamplingParams
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, unless generation_config.json has one
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (1/T would overflow the logits)
@@ -100,15 +103,13 @@ class RequestError(Exception):
 
 # Fields OpenAI (or vLLM, as extensions) defines that we do not implement → 400 unless
 # neutral: absent, null, false, 0, {}, [] (NEUTRAL), or the field's own no-op value.
-UNSUPPORTED = ("top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
-               "frequency_penalty", "tools", "functions", "audio", "prediction",
+UNSUPPORTED = ("top_logprobs", "echo", "suffix", "tools", "functions", "audio", "prediction",
                # vLLM's extensions
-               "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "guided_decoding_backend", "structured_outputs", "repetition_penalty", "min_p",
-               "min_tokens", "use_beam_search", "length_penalty",
-               "allowed_token_ids", "bad_words", "logits_processors")
+               "use_beam_search", "length_penalty", "logits_processors")
 NEUTRAL = (None, False, 0, {}, [])
-NO_OP = {"repetition_penalty": 1, "length_penalty": 1}
+NO_OP = {"length_penalty": 1}
+# vLLM's guided_decoding_backend values that name what serves structured outputs here
+GRAMMAR_BACKENDS = ("auto", "xgrammar")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's values (openai-python's ReasoningEffort): accepted, no effect yet (no reasoning
 # parser here; Qwen3.5 thinks unless chat_template_kwargs={"enable_thinking": false}).
@@ -121,6 +122,44 @@ METADATA_LIMITS = (16, 64, 512)  # OpenAI's: pairs, characters per key, characte
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object or json_schema; and vLLM's
+    structural_tag."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # vLLM's options that change nothing here
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
 
 
 class _SamplingRequest(BaseModel):
@@ -141,6 +180,23 @@ class _SamplingRequest(BaseModel):
     return_token_ids: bool | None = False  # extension: prompt_token_ids and choices' token_ids
     prompt_logprobs: int | None = None  # extension: each prompt token's, with this many others
     user: str | None = None  # accepted, unused (as in vLLM)
+    # the sampling controls (configs/engine.py SamplingParams; vLLM's semantics)
+    presence_penalty: float | None = Field(None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, allow_inf_nan=False)  # extension
+    min_p: float | None = Field(None, allow_inf_nan=False)  # extension
+    min_tokens: int | None = None  # extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) → bias
+    bad_words: str | list[str] | None = None  # extension: tokenized by the server
+    allowed_token_ids: list[int] | None = None  # extension
+    # structured outputs: one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension
+    guided_json: dict[str, Any] | str | None = None  # extension (vLLM's older spelling)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     def check(self) -> None:
         if not 1 <= self.num_choices <= MAX_CHOICES:
@@ -156,11 +212,13 @@ class _SamplingRequest(BaseModel):
             value = (self.model_extra or {}).get(name)
             if value not in NEUTRAL and not (name in NO_OP and value == NO_OP[name]):
                 raise RequestError(f"{name} is not supported by this server", name)
-        # both endpoints (vLLM takes it on /v1/completions too): never a silent free-text 200
-        fmt = (self.model_extra or {}).get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise RequestError("response_format is not supported by this server",
-                               "response_format")
+        if self.guided_decoding_backend not in (None, *GRAMMAR_BACKENDS):
+            raise RequestError(f"guided_decoding_backend must be one of {GRAMMAR_BACKENDS} "
+                               f"(xgrammar serves structured outputs), got "
+                               f"{self.guided_decoding_backend!r}", "guided_decoding_backend")
+        self.grammar_spec()  # one constraint, well formed
+        if self.logit_bias is not None:
+            self.logit_bias_pairs()
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got "
                                f"{len(self.stop_strings)}", "stop")
@@ -178,6 +236,65 @@ class _SamplingRequest(BaseModel):
     def num_choices(self) -> int:
         return 1 if self.n is None else self.n
 
+    def grammar_spec(self) -> tuple[GrammarSpec, str] | None:
+        """The structured output's constraint and the field that asked for it; None for free
+        text. More than one constraint is a 400."""
+        found: list[tuple[GrammarSpec, str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append((GrammarSpec("json_object", ""), "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise RequestError("response_format json_schema needs json_schema.schema",
+                                   "response_format")
+            found.append((GrammarSpec("json", _schema_text(fmt.json_schema.schema_)),
+                          "response_format"))
+        elif fmt is not None and fmt.type == "structural_tag":
+            tag = dict(fmt.model_extra or {})
+            found.append((GrammarSpec("structural_tag", json.dumps(
+                {"type": "structural_tag", **tag} if "format" in tag else tag)),
+                "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            kinds = [(k, v) for k, v in (
+                ("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                ("grammar", so.grammar), ("json_object", so.json_object or None),
+                ("structural_tag", so.structural_tag)) if v is not None]
+            if len(kinds) != 1:
+                raise RequestError("structured_outputs takes exactly one of json, regex, "
+                                   "choice, grammar, json_object, structural_tag",
+                                   "structured_outputs")
+            kind, value = kinds[0]
+            found.append((GrammarSpec(kind, _grammar_text(kind, value)), "structured_outputs"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((GrammarSpec(kind, _grammar_text(kind, value)), name))
+        if len(found) > 1:
+            raise RequestError(f"give one structured-output constraint, got "
+                               f"{', '.join(name for _, name in found)}", found[1][1])
+        if not found:
+            return None
+        from workers.grammar import GrammarError, check_spec_shape
+
+        try:
+            check_spec_shape(found[0][0])
+        except GrammarError as e:
+            raise RequestError(str(e), found[0][1]) from None
+        return found[0]
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                   "logit_bias") from None
+            pairs.append((token, bias))
+        return tuple(pairs)
+
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(alternatives per generated token, per prompt token); None: not asked for."""
         return None, self.prompt_logprobs
@@ -191,11 +308,24 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int,
-                        defaults: SamplingDefaults = OPENAI_DEFAULTS) -> SamplingParams:
+                        defaults: SamplingDefaults = OPENAI_DEFAULTS,
+                        bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+        """`bad_words_token_ids`: bad_words as the tokenizer spells them (the server's)."""
         temperature = defaults.temperature if self.temperature is None else self.temperature
         logprobs, prompt_logprobs = self.logprob_counts()
+        spec = self.grammar_spec()
+        controls = {name: value for name, value in (
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+            ("repetition_penalty", self.repetition_penalty), ("min_p", self.min_p),
+            ("min_tokens", self.min_tokens)) if value is not None}
         try:
             return SamplingParams(
+                **controls, logit_bias=self.logit_bias_pairs(),
+                bad_words_token_ids=bad_words_token_ids,
+                allowed_token_ids=None if self.allowed_token_ids is None
+                else tuple(self.allowed_token_ids),
+                grammar=None if spec is None else spec[0],
                 max_tokens=max_tokens,
                 temperature=0.0 if 0 <= temperature < GREEDY_BELOW else temperature,
                 top_p=defaults.top_p if self.top_p is None else self.top_p,
@@ -394,13 +524,15 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
     return req
 
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                   "min_tokens", "logit_bias", "bad_words", "allowed_token_ids")
 
 
 def value_error(e: ValueError) -> RequestError:
     """A ValueError from SamplingParams or the engine; its message starts with the field."""
     msg = str(e)
-    first = msg.split(" ", 1)[0]
+    first = msg.split(" ", 1)[0].rstrip(":")
     param = first if first in SAMPLING_FIELDS else "prompt" if first == "prompt" else None
     return RequestError(msg, param)
 
@@ -526,3 +658,12 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def _grammar_text(kind: str, value: Any) -> str:
+    """A structured_outputs / guided_* value as GrammarSpec text."""
+    if kind == "json":
+        return _schema_text(value)
+    if kind == "choice":
+        return json.dumps(value)
+    return "" if kind == "json_object" else value

@@ -19,6 +19,7 @@ from draft.model import DFlashDraftModel
 from draft.proposer import DraftRunner
 from target.loader import load_embedding_and_head
 from workers.aux_transport import AuxReceiver, AuxRingSpec
+from workers.controls import ControlsEnv
 from workers.cuda_graphs import graph_max_pages
 from workers.load_report import LoadReport, load_report, weight_bytes
 from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
@@ -54,6 +55,7 @@ class DraftWorker(StepLoopEnds):
         self._load = load_report("draft", self.device, weight_bytes(self.model, *own),
                                  time.perf_counter() - start)
         self.runner: DraftRunner | None = None
+        self.controls: ControlsEnv | None = None  # grammars for its proposals (allocate)
         self.aux_receiver: AuxReceiver | None = None
 
     def _runner(self, num_pages: int, max_model_len: int, graphs: bool = False) -> DraftRunner:
@@ -100,6 +102,8 @@ class DraftWorker(StepLoopEnds):
     def allocate(self, num_pages: int, max_model_len: int) -> None:
         """`max_model_len`: the plan's (cluster/startup.py)."""
         self.runner = self._runner(num_pages, max_model_len, graphs=True)
+        self.controls = ControlsEnv.for_checkpoint(self.cfg.model, self.model.cfg.vocab_size,
+                                                   self.device)
 
     def open_aux(self, spec: AuxRingSpec) -> None:
         self.aux_receiver = AuxReceiver.open(spec, self.device)

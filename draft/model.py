@@ -315,12 +315,15 @@ class DFlashDraftModel(nn.Module):
         embed: Callable[[Tensor], Tensor],
         lm_head: Callable[[Tensor], Tensor],
         block_size: int | None = None,
+        top_k: int = 0,
     ) -> Tensor:
-        # argmax at every temperature (the draft proposes greedily) -> draft tokens [S, B - 1] long
+        # argmax at every temperature (the draft proposes greedily) -> draft tokens [S, B - 1] long;
+        # top_k > 0: each position's top_k tokens, best first -> [S, B - 1, top_k] (a grammar
+        # then picks among them: workers/controls.py)
         logits = self.propose_logits(
             anchor_ids, context_lens, block_tables, kv_cache, embed, lm_head, block_size
         )
-        return logits.argmax(dim=-1)
+        return logits.topk(top_k, dim=-1).indices if top_k else logits.argmax(dim=-1)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

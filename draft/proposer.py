@@ -45,13 +45,13 @@ class DraftRunner:
         scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page_size) if graph_max_seqs else 0
         self.kv_cache = model.allocate_kv_cache(num_pages + scratch, page_size)
         self.scratch_pages = torch.arange(num_pages, num_pages + scratch, dtype=torch.int32)
-        self.graphs: dict[tuple[int, int, int], CapturedCall] = {}
+        self.graphs: dict[tuple[int, int, int, int], CapturedCall] = {}  # (S, B, P, top_k)
         # Context writes by padded row count; their rows past the real ones go to the first
         # scratch page's slots (never read: padding sequences have no context).
         self.write_graphs: dict[int, CapturedCall] = {}
         self.write_rows = [b * block_size for b in graph_batch_buckets(graph_max_seqs)] \
             if graph_max_seqs else []
-        # shapes that run eagerly: proposals (S, B, P), writes ("write", rows)
+        # shapes that run eagerly: proposals (S, B, P, top_k), writes ("write", rows)
         self.failed: dict[tuple, str] = {}
         # (off CUDA: the same static buffers, run without capture)
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
@@ -110,8 +110,9 @@ class DraftRunner:
         return True
 
     @torch.inference_mode()
-    def propose(self, req: ProposeRequest) -> torch.Tensor:
-        """Returns [S, B−1] proposed tokens (argmax at every temperature)."""
+    def propose(self, req: ProposeRequest, top_k: int = 0) -> torch.Tensor:
+        """Returns [S, B−1] proposed tokens (argmax at every temperature); with top_k,
+        [S, B−1, top_k]: each position's best top_k, best first."""
         anchors, context_lens, block_tables = req.anchors, req.context_lens, req.block_tables
         # Only the pages holding context and the block: their count bounds the attention's
         # gather width (and holds the block's slots where the triton path writes its K/V).
@@ -120,18 +121,20 @@ class DraftRunner:
         pages = page_bucket(max(width, len(self.scratch_pages)), self.graph_max_pages)
         out = None
         if padded is not None and pages is not None and self.block_size <= MAX_GRAPH_WIDTH \
-                and (padded, self.block_size, pages) not in self.failed:
-            out = self._replay(padded, pages, width, anchors, context_lens, block_tables)
+                and (padded, self.block_size, pages, top_k) not in self.failed:
+            out = self._replay(padded, pages, width, anchors, context_lens, block_tables,
+                               top_k)
         if out is None:
             tables = torch.from_numpy(host_tables(block_tables, width))
             return self.model.propose(torch.tensor(anchors, device=self.device),
                                       torch.tensor(context_lens, device=self.device),
                                       tables.to(self.device), self.kv_cache, self.embed,
-                                      self.lm_head, self.block_size)
+                                      self.lm_head, self.block_size, top_k)
         return out[: len(anchors)].clone()
 
     def _replay(self, padded: int, pages: int, width: int, anchors: list[int],
-                context_lens: list[int], block_tables: list) -> torch.Tensor | None:
+                context_lens: list[int], block_tables: list, top_k: int
+                ) -> torch.Tensor | None:
         # Padding sequences: anchor 0, no context, the block in the scratch pages. The wider
         # table only adds masked keys to the attention's gather.
         n = len(anchors)
@@ -141,7 +144,7 @@ class DraftRunner:
         full[:n, :width] = host_tables(block_tables, width)
         full[n:, : len(self.scratch_pages)] = self.scratch_pages.numpy()
         anchors, lens, full = map(torch.from_numpy, (anchors_np, lens_np, full))
-        key = (padded, self.block_size, pages)
+        key = (padded, self.block_size, pages, top_k)
         if key not in self.graphs:
             static = {"anchors": anchors.to(self.device), "context_lens": lens.to(self.device),
                       "block_tables": full.to(self.device)}
@@ -150,7 +153,7 @@ class DraftRunner:
             def propose(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
                 return self.model.propose(inputs["anchors"], inputs["context_lens"],
                                           inputs["block_tables"], self.kv_cache, self.embed,
-                                          self.lm_head, block)
+                                          self.lm_head, block, top_k)
 
             call = capture_or_log(lambda: CapturedCall(propose, static, self.pool, staged=True),
                                   "proposal", key, self.failed)

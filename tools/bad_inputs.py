@@ -55,10 +55,18 @@ def catalogue(model: str) -> list[tuple[str, str, bytes] | tuple[str, str, bytes
         ("logprobs 21", {"logprobs": 21}),
         ("seventeen stop strings", {"stop": list("abcdefghijklmnopq")}),
         ("an empty stop string", {"stop": [""]}),
-        ("guided_json", {"guided_json": {"type": "object"}}),
-        ("structured_outputs", {"structured_outputs": {"regex": "a+"}}),
-        ("repetition_penalty", {"repetition_penalty": 1.3}),
-        ("min_p", {"min_p": 0.1}),
+        ("guided_json a schema of an unknown type", {"guided_json": {"type": "nonsense"}}),
+        ("structured_outputs a regex that does not parse", {"structured_outputs": {"regex": "(a"}}),
+        ("structured_outputs two constraints", {"structured_outputs": {"regex": "a",
+                                                                       "choice": ["a"]}}),
+        ("guided_grammar an undefined rule", {"guided_grammar": "root ::= foo"}),
+        ("logit_bias a token outside the vocabulary", {"logit_bias": {"1000000000": 1}}),
+        ("logit_bias a key that is no token id", {"logit_bias": {"x": 1}}),
+        ("allowed_token_ids outside the vocabulary", {"allowed_token_ids": [10**9]}),
+        ("repetition_penalty 0", {"repetition_penalty": 0}),
+        ("presence_penalty 3", {"presence_penalty": 3}),
+        ("min_p 2", {"min_p": 2}),
+        ("min_tokens above max_tokens", {"min_tokens": 50, "max_tokens": 5}),
         ("stream_options without stream", {"stream_options": {"include_usage": True}}),
         ("unknown model", {"model": "gpt-4"}),
     ]
@@ -86,12 +94,13 @@ def catalogue(model: str) -> list[tuple[str, str, bytes] | tuple[str, str, bytes
     cases.append(("chat_template_kwargs not an object", chat, body({
         "model": model, "messages": [{"role": "user", "content": "x"}],
         "chat_template_kwargs": "enable_thinking=false"})))
-    cases.append(("response_format json", chat, body({
+    cases.append(("response_format json_schema without its schema", chat, body({
         "model": model, "messages": [{"role": "user", "content": "x"}],
-        "response_format": {"type": "json_object"}})))
-    cases.append(("response_format json_schema on completions", comp, body({
+        "response_format": {"type": "json_schema", "json_schema": {"name": "o"}}})))
+    cases.append(("response_format a schema that does not compile, on completions", comp, body({
         "model": model, "prompt": "x", "response_format": {
-            "type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}})))
+            "type": "json_schema", "json_schema": {"name": "o", "schema": {
+                "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}})))
     user = [{"role": "user", "content": "x"}]
     template_kwargs = [  # the chat template's inputs are an allow-list
         ("chat_template_kwargs return_tensors pt", {"return_tensors": "pt"}),

@@ -44,6 +44,9 @@ class NewSeq:
     block_table: list[int]  # every page it may reach (reserved whole at admission)
     state_slot: int
     params: SamplingParams
+    # the engine's end-of-sequence ids: what min_tokens holds back and a grammar's end emits
+    # (workers/controls.py)
+    eos_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from target.batch import ForwardBatch, TargetCaches
 from target.model import Qwen3_5MoeForCausalLM
 from workers import sampling
 from workers.cache import reset_state_slot
+from workers.controls import ControlRows, SeqControls, apply_controls
 from workers.cuda_graphs import RoundGraphs
 from workers.logprobs import TokenLogprob, rows_logprobs, split_rows, token_logprobs
 from workers.messages import host_tables
@@ -36,6 +37,8 @@ class SeqInput:
     prompt_targets: list[int] | None = None
     # block_table as an int32 tensor where the caller keeps one (workers/stepper.py SeqTable)
     block_table_t: torch.Tensor | None = None
+    # the sampling controls' state in this process (params.has_controls; workers/controls.py)
+    controls: SeqControls | None = None
 
 
 @dataclass
@@ -138,16 +141,19 @@ class ModelRunner:
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         new_tokens: list[list[int]] = [[] for _ in seqs]
         errors: dict[int, str] = {}
+        logprobs = {}
         if sampled:
             cu = batch.cu_seqlens
             last = torch.tensor([cu[i + 1] - 1 for i in sampled], device=hidden.device)
-            logits = self.model.compute_logits(hidden[last])  # [len(sampled), V]
+            raw = self.model.compute_logits(hidden[last])  # [len(sampled), V]
+            logits = self._controlled(seqs, raw, [(i, r, []) for r, i in enumerate(sampled)],
+                                      errors)
             # Greedy rows take the argmax, the others an inverse-CDF sample with a uniform from
             # their own generator; all read back with one host sync.
             tokens = logits.argmax(-1)  # [len(sampled)]
             rows, probs, u = [], [], []
             for r, i in enumerate(sampled):
-                if seqs[i].params.greedy:
+                if seqs[i].params.greedy or i in errors:
                     continue
                 try:  # a sequence whose sampling fails fails alone
                     probs.append(sampling.probs_from_logits(logits[r : r + 1], seqs[i].params))
@@ -164,10 +170,8 @@ class ModelRunner:
                     new_tokens[sampled[row]] = [tok]
             rows = [r for r, i in enumerate(sampled) if i not in errors]
             logprobs = self._logprobs(seqs, [sampled[r] for r in rows],
-                                      [logits[r : r + 1] for r in rows],
+                                      [raw[r : r + 1] for r in rows],
                                       [new_tokens[sampled[r]] for r in rows])
-        else:
-            logprobs = {}
         prompt = {}
         for i, s in enumerate(seqs):
             if s.prompt_targets:
@@ -177,6 +181,26 @@ class ModelRunner:
                                           s.prompt_targets, s.params.prompt_logprobs or 0)
         return StepOutput(new_tokens, [0] * len(seqs), batch.query_lens, aux, batch.positions,
                           errors, logprobs, prompt)
+
+    @staticmethod
+    def _controlled(seqs: list[SeqInput], logits: torch.Tensor,
+                    blocks: list[tuple[int, int, list[int]]], errors: dict[int, str]
+                    ) -> torch.Tensor:
+        """logits with the sampling controls of the sequences that have them applied (a copy
+        where some of those also report log-probabilities, which are the raw logits', as
+        vLLM's default raw_logprobs); blocks: (index in seqs, first row, the block's tokens).
+        A sequence whose controls fail goes to `errors`."""
+        rows = [ControlRows(i, seqs[i].controls, first, block) for i, first, block in blocks
+                if seqs[i].params.has_controls and seqs[i].controls is not None]
+        for i, _, _ in blocks:
+            if seqs[i].params.has_controls and seqs[i].controls is None:
+                errors[i] = "RuntimeError: this engine was built without sampling controls"
+        if not rows:
+            return logits
+        if any(seqs[r.index].params.logprobs is not None for r in rows):
+            logits = logits.clone()
+        errors.update(apply_controls(logits, rows))
+        return logits
 
     @staticmethod
     def _logprobs(seqs: list[SeqInput], idx: list[int], logits: list[torch.Tensor],
@@ -243,7 +267,7 @@ class ModelRunner:
         """Rejection sampling of every sampled sequence at once on the device (each with its
         own temperature/top-k/top-p, its uniforms from its own generator), one host sync. A
         sequence whose probabilities fail goes to `errors` and the rest go on as before."""
-        idx = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        idx = [i for i, s in enumerate(seqs) if not s.params.greedy and i not in errors]
         if not idx or len({len(seqs[i].token_ids) for i in idx}) != 1:
             return {}
         width, cu = len(seqs[idx[0]].token_ids), batch.cu_seqlens
@@ -270,8 +294,10 @@ class ModelRunner:
         uniform round replays CUDA graphs where the runner has them (workers/cuda_graphs.py);
         their outputs are padded past the real sequences, which are read by index."""
         width = len(seqs[0].token_ids)
-        # greedy acceptance alone reads only argmaxes: logits in the model's dtype do
-        fp32 = any(not s.params.greedy or s.params.logprobs is not None for s in seqs)
+        # greedy acceptance alone reads only argmaxes: logits in the model's dtype do (masks
+        # too; the bias and penalties compute in fp32, as vLLM's)
+        fp32 = any(not s.params.greedy or s.params.logprobs is not None or s.params.has_penalties
+                   or s.params.logit_bias for s in seqs)
         graphs, captured = self.graphs, None
         if graphs is not None and all(len(s.token_ids) == width for s in seqs) and graphs.fits(
                 len(seqs), width, max(len(s.block_table) for s in seqs)):
@@ -289,6 +315,9 @@ class ModelRunner:
             def commit(num_kept: list[int]) -> None:
                 self.model.commit_verify(batch, self.caches, num_kept)
         cu = batch.cu_seqlens
+        errors: dict[int, str] = {}
+        raw, logits = logits, self._controlled(
+            seqs, logits, [(i, cu[i], s.token_ids) for i, s in enumerate(seqs)], errors)
         committed_early: list[torch.Tensor] = []
         early_rows: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -301,7 +330,6 @@ class ModelRunner:
 
         decided = self._accept_greedy(seqs, batch, logits,
                                       commit_early if captured is not None else None)
-        errors: dict[int, str] = {}
         decided.update(self._accept_sampled(seqs, batch, logits, errors))
         new_tokens, num_accepted, kept_rows = [], [], []
         for i, s in enumerate(seqs):
@@ -337,7 +365,7 @@ class ModelRunner:
         committed = [n + 1 for n in num_accepted]
         # token j of a sequence's new ones was drawn from its block's row j
         logprobs = self._logprobs(seqs, list(range(len(seqs))),
-                                  [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))],
+                                  [raw[cu[i] : cu[i + 1]] for i in range(len(seqs))],
                                   new_tokens) if any(s.params.logprobs is not None
                                                      for s in seqs) else {}
         return StepOutput(new_tokens, num_accepted, committed, aux_rows, aux_positions,

@@ -12,8 +12,13 @@ from configs.engine import SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[N, V] logits → [N, V] fp32 probabilities after temperature, top-k and top-p."""
+    """[N, V] logits → [N, V] fp32 probabilities after temperature, min-p, top-k and top-p
+    (vLLM's order)."""
     scores = logits.float() / params.temperature
+    if params.min_p > 0:  # drop tokens below min_p × the most likely one's probability
+        probs = torch.softmax(scores, dim=-1)
+        floor = params.min_p * probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(probs < floor, float("-inf"))
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -87,7 +87,7 @@ def run_target_loop(worker) -> None:
     """A TargetWorker's loop (every rank; rank 0 also answers)."""
     drafts_in = worker.channel_readers.get("drafts")
     results = worker.channel_writer  # rank 0's only
-    stepper = TargetStepper(worker.runner)
+    stepper = TargetStepper(worker.runner, worker.controls)
     for msg in _steps(worker.channel_readers["steps"], stepper):
         res = StepResult(msg.step_id)
         if msg.kind is StepKind.CALL:
@@ -118,7 +118,7 @@ def run_draft_loop(draft) -> None:
     """A DraftWorker's loop."""
     results = draft.channel_readers["results"]
     drafts_out, receiver = draft.channel_writer, draft.aux_receiver
-    stepper = DraftStepper(draft.runner)
+    stepper = DraftStepper(draft.runner, draft.controls)
     for msg in _steps(draft.channel_readers["steps"], stepper):
         if draft_proposes(msg):
             tokens, seconds = stepper.propose(msg)
@@ -126,6 +126,7 @@ def run_draft_loop(draft) -> None:
         res: StepResult = results.recv()
         if res.step_id != msg.step_id:
             raise RuntimeError(f"step {msg.step_id}: rank 0 answered step {res.step_id}")
+        stepper.commit(msg, res.new_tokens)
         if draft_writes_context(msg):
             aux, _ = receiver.get(res.aux)
             stepper.write_context(msg, aux, committed_counts(msg, res.num_accepted))

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from workers.controls import ControlsEnv, ControlsTable
 from workers.messages import ContextWrite, NewSeq, ProposeRequest, StepKind, StepMsg
 from workers.model_runner import SeqInput, StepOutput
 
@@ -30,8 +31,9 @@ class TargetRunner(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
-    def propose(self, req: ProposeRequest) -> torch.Tensor:
-        """[S, B − 1] proposed tokens (argmax at every temperature), on any device."""
+    def propose(self, req: ProposeRequest, top_k: int = 0) -> torch.Tensor:
+        """[S, B − 1] proposed tokens (argmax at every temperature), on any device; with
+        top_k, [S, B − 1, top_k]: each position's top_k tokens, best first."""
         ...
 
     def write_context(self, write: ContextWrite) -> None: ...
@@ -57,14 +59,26 @@ class SeqTable:
         return [self.table_t[i] for i in msg.seq_ids]
 
 
+def _apply_controls(controls: ControlsTable, msg: StepMsg) -> None:
+    for seq in msg.new_seqs:
+        controls.add(seq.seq_id, seq.params, seq.prompt_ids, seq.eos_ids)
+    for seq_id in msg.released:
+        controls.release(seq_id)
+
+
 class TargetStepper:
-    def __init__(self, runner: TargetRunner):
+    """`controls`: what the sampling controls need in this process (workers/controls.py);
+    None refuses them (each controlled sequence then fails alone)."""
+
+    def __init__(self, runner: TargetRunner, controls: ControlsEnv | None = None):
         self.runner = runner
         self.table = SeqTable()
+        self.controls = ControlsTable(controls)
 
     def apply(self, msg: StepMsg) -> None:
         """Every message's sequence changes, whatever its kind."""
         self.table.apply(msg)
+        _apply_controls(self.controls, msg)
         for seq_id in msg.released:
             self.runner.release(seq_id)
 
@@ -79,19 +93,25 @@ class TargetStepper:
                 SeqInput(s.seq_id, s.prompt_ids[start : start + n], start, s.block_table,
                          s.state_slot, s.params, sample=sample,
                          prompt_targets=None if s.params.prompt_logprobs is None
-                         else s.prompt_ids[start + 1 : start + n + 1], block_table_t=t)
+                         else s.prompt_ids[start + 1 : start + n + 1], block_table_t=t,
+                         controls=self._controls(s))
                 for s, start, n, sample, t in zip(seqs, msg.starts, msg.chunk_lens,
                                                   msg.samples, tables, strict=True)])
         elif msg.kind is StepKind.ROUND:
             drafts = drafts if drafts is not None else [[]] * len(seqs)
             out = self.runner.verify([
                 SeqInput(s.seq_id, [anchor, *d], start, s.block_table, s.state_slot, s.params,
-                         block_table_t=t)
+                         block_table_t=t, controls=self._controls(s))
                 for s, start, anchor, d, t in zip(seqs, msg.starts, msg.anchors, drafts,
                                                   tables, strict=True)])
         else:
             raise ValueError(f"the target runs PREFILL and ROUND steps, not {msg.kind.name}")
+        for i, why in self.controls.commit(msg.seq_ids, out.new_tokens).items():
+            out.errors[i], out.new_tokens[i] = why, []
         return out, time.perf_counter() - t
+
+    def _controls(self, seq: NewSeq):
+        return self.controls.get(seq.seq_id)
 
 
 def draft_proposes(msg: StepMsg) -> bool:
@@ -113,20 +133,39 @@ def committed_counts(msg: StepMsg, num_accepted: list[int]) -> list[int]:
     return [n + 1 for n in num_accepted]
 
 
+# Candidates per position a grammar-constrained proposal picks from (workers/controls.py
+# SeqControls.constrain_proposal): the best the grammar allows among the draft's top ones.
+PROPOSAL_CANDIDATES = 8
+
+
 class DraftStepper:
-    def __init__(self, drafter: Drafter):
+    """`controls`: as TargetStepper's; the draft constrains its proposals by grammars."""
+
+    def __init__(self, drafter: Drafter, controls: ControlsEnv | None = None):
         self.drafter = drafter
         self.table = SeqTable()
+        self.controls = ControlsTable(controls, draft=True)
 
     def apply(self, msg: StepMsg) -> None:
         self.table.apply(msg)
+        _apply_controls(self.controls, msg)
 
     def propose(self, msg: StepMsg) -> tuple[list[list[int]], float]:
         """The step's proposals [S, B − 1] (host lists) and their wall time."""
         t = time.perf_counter()
-        drafts = self.drafter.propose(ProposeRequest(list(msg.anchors), list(msg.starts),
-                                                     self.table.tables(msg))).tolist()
+        req = ProposeRequest(list(msg.anchors), list(msg.starts), self.table.tables(msg))
+        constrained = [self.controls.get(i) for i in msg.seq_ids]
+        if not any(constrained):
+            return self.drafter.propose(req).tolist(), time.perf_counter() - t
+        candidates = self.drafter.propose(req, PROPOSAL_CANDIDATES).tolist()  # [S, B − 1, k]
+        drafts = [[c[0] for c in cands] if ctl is None else ctl.constrain_proposal(cands)
+                  for ctl, cands in zip(constrained, candidates, strict=True)]
         return drafts, time.perf_counter() - t
+
+    def commit(self, msg: StepMsg, new_tokens: list[list[int]]) -> None:
+        """The step's committed tokens (rank 0's result) advance the grammars."""
+        if self.controls.by_seq and msg.kind in (StepKind.PREFILL, StepKind.ROUND):
+            self.controls.commit(msg.seq_ids, new_tokens)
 
     def write_context(self, msg: StepMsg, aux: torch.Tensor, counts: list[int]) -> None:
         """The step's committed tokens' aux rows [sum counts, n_aux·H], in sequence order."""

@@ -27,6 +27,7 @@ from target.loader import load_target
 from target.model import Qwen3_5MoeForCausalLM
 from workers.aux_transport import AuxRingSpec, AuxSender, make_aux_sender
 from workers.cache import allocate_target_caches, bytes_per_state_slot, bytes_per_token
+from workers.controls import ControlsEnv
 from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, graph_max_pages, num_scratch_pages
 from workers.load_report import LoadReport, load_report, weight_bytes
 from workers.memory import MemoryProfile, cache_budget, gpu_id, measure_peak
@@ -61,6 +62,7 @@ class TargetWorker(StepLoopEnds):
             else torch.device("cpu")
         self.model: Qwen3_5MoeForCausalLM | None = None
         self.runner: ModelRunner | None = None
+        self.controls: ControlsEnv | None = None  # the sampling controls' (allocate)
 
     def address(self) -> tuple[str, int]:
         """Rank 0: the process-group rendezvous's address, its node IP and a port listening on
@@ -178,6 +180,8 @@ class TargetWorker(StepLoopEnds):
                 list(range(num_pages, num_pages + scratch)), cfg.max_num_seqs)
         self.runner = ModelRunner(self.model, caches, self.aux_layer_ids, self.device,
                                   cfg.seed, round_graphs)
+        self.controls = ControlsEnv.for_checkpoint(cfg.model, self.model.config.vocab_size,
+                                                   self.device)
 
     def serve_steps(self) -> None:
         """The step loop; returns when the driver sends STOP."""
