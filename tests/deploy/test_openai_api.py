@@ -277,6 +277,30 @@ BAD_COMPLETIONS = [  # (body, status, param, code)
       "stream": True}, 400, "stream_options.include_usage", None),
     # vLLM's extensions we do not implement
     ({"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search", None),
+    # structured outputs and sampling controls: refused before the engine, naming the reason
+    *(({"model": MODEL, "prompt": "hi", **extra}, 400, param, None) for extra, param in (
+        ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+        ({"guided_regex": "(a"}, "guided_regex"),
+        ({"guided_grammar": "root ::= foo"}, "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+        ({"structured_outputs": {"pattern": "a"}}, "structured_outputs.pattern"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"logit_bias": {"1000": 1}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"allowed_token_ids": [384]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"))),
     ({"model": MODEL, "prompt": "hi", "user": 5}, 400, "user", None),
 ]
 BAD_CHATS = [
@@ -670,4 +694,67 @@ def test_sixty_four_requests_near_the_context_all_finish(server):
 
     for r in asyncio.run(run()):
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    wait_idle(server)
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "rank"],
+          "properties": {"city": {"type": "string", "maxLength": 10},
+                         "rank": {"type": "integer", "minimum": 1, "maximum": 9}}}
+
+
+def test_structured_outputs_and_controls_through_the_sdk(server, oai):
+    """Each spelling of a constraint on both endpoints, streamed and not, n > 1: the output is
+    valid, and greedy output equals the target-only engine's under the same parameters."""
+    import json
+    import re
+
+    import jsonschema
+
+    from configs.engine import GrammarSpec
+
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A city?"}], max_tokens=40, **GREEDY,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}})
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+    obj = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "JSON?"}], max_tokens=40,
+        **GREEDY, response_format={"type": "json_object"}, extra_body={"min_tokens": 2})
+    assert obj.choices[0].message.content.startswith("{")
+
+    choices = ["the river", "an oak", "bread"]
+    many = oai.completions.create(model=MODEL, prompt="The library", max_tokens=20, n=4,
+                                  temperature=1.0, seed=5,
+                                  extra_body={"structured_outputs": {"choice": choices}})
+    assert [c.finish_reason for c in many.choices] == ["stop"] * 4
+    assert all(c.text in choices for c in many.choices)
+
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    stream = oai.completions.create(model=MODEL, prompt="Code:", max_tokens=20, stream=True,
+                                    **GREEDY, extra_body={"guided_regex": regex,
+                                                          "return_token_ids": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert re.fullmatch(regex, text), text
+
+    # greedy with controls equals the target-only engine's output under the same params
+    tok = server["tokenizer"]
+    prompt = tok.encode("To make bread, mix")
+    body = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2,
+            "logit_bias": {"264": -100, "17": 2.5}, "bad_words": ["the"], "min_tokens": 10,
+            "guided_grammar": 'root ::= [a-z ]+ "."', "max_tokens": 30, "temperature": 0.0,
+            "return_token_ids": True}
+    r = httpx.post(f"{server['url']}/v1/completions",
+                   json={"model": MODEL, "prompt": prompt, **body}).json()
+    from deploy.sampling_controls import bad_words_token_ids
+
+    params = SamplingParams(max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.5,
+                            presence_penalty=0.2, logit_bias=((264, -100.0), (17, 2.5)),
+                            bad_words_token_ids=bad_words_token_ids(tok, ["the"]), min_tokens=10,
+                            grammar=GrammarSpec("grammar", 'root ::= [a-z ]+ "."'))
+    want = server["reference"].generate([prompt], params)[0].output_ids
+    assert r["choices"][0]["token_ids"] == want
+    # the grammar's prefix (the random model may not reach its end in 30 tokens)
+    assert re.fullmatch(r"[a-z ]+\.?", r["choices"][0]["text"])
     wait_idle(server)
