@@ -18,7 +18,7 @@ def _parse_ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--prompt-ids must be comma-separated integers: {text!r}") from None
+            f"expected comma-separated integers, got {text!r}") from None
 
 
 API_KEY_ENV = "DFLASH_SERVE_API_KEY"
@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--ignore-eos", action="store_true")
+    _add_control_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text prompt (tokenised with the target's tokenizer)")
     src.add_argument("--prompt-ids", type=_parse_ids, help="comma-separated token ids")
@@ -79,6 +80,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_control_args(g: argparse.ArgumentParser) -> None:
+    """The sampling controls and structured outputs (docs/API.md has their semantics)."""
+    c = g.add_argument_group("sampling controls (vLLM's semantics)")
+    c.add_argument("--presence-penalty", type=float, default=0.0)
+    c.add_argument("--frequency-penalty", type=float, default=0.0)
+    c.add_argument("--repetition-penalty", type=float, default=1.0)
+    c.add_argument("--min-p", type=float, default=0.0)
+    c.add_argument("--min-tokens", type=int, default=0)
+    c.add_argument("--logit-bias", type=_parse_bias, default=(), metavar="ID=BIAS[,…]",
+                   help="added to those tokens' logits, e.g. 13=-100,42=2.5")
+    c.add_argument("--bad-words", action="append", default=[], metavar="WORD",
+                   help="never generate this word (repeatable)")
+    c.add_argument("--allowed-token-ids", type=_parse_ids, metavar="ID[,…]",
+                   help="only these tokens may be generated")
+    s = g.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    s.add_argument("--json-schema", metavar="FILE", help="JSON that validates against the "
+                   "schema in FILE")
+    s.add_argument("--json-object", action="store_true", help="any JSON object")
+    s.add_argument("--regex", help="text the regular expression matches")
+    s.add_argument("--choice", action="append", metavar="TEXT",
+                   help="exactly one of the choices (repeat the flag for each)")
+    s.add_argument("--grammar", metavar="FILE", help="text of the EBNF grammar in FILE")
+
+
+def _parse_bias(value: str) -> tuple[tuple[int, float], ...]:
+    try:
+        pairs = [item.split("=", 1) for item in value.split(",") if item]
+        return tuple((int(t), float(b)) for t, b in pairs)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS[,ID=BIAS…], got {value!r}") \
+            from None
+
+
+def _grammar_arg(args: argparse.Namespace):
+    import json
+    from pathlib import Path
+
+    from configs.engine import GrammarSpec
+
+    def read(path: str, flag: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
+
+    if args.json_schema:
+        return GrammarSpec("json", read(args.json_schema, "--json-schema"))
+    if args.json_object:
+        return GrammarSpec("json_object", "")
+    if args.regex is not None:
+        return GrammarSpec("regex", args.regex)
+    if args.choice:
+        return GrammarSpec("choice", json.dumps(args.choice))
+    if args.grammar:
+        return GrammarSpec("grammar", read(args.grammar, "--grammar"))
+    return None
+
+
 def generate(args: argparse.Namespace) -> dict:
     from dataclasses import replace
 
@@ -89,9 +148,14 @@ def generate(args: argparse.Namespace) -> dict:
     from configs.model import TargetConfig
     from deploy.tokenizer import load_tokenizer
 
+    grammar = _grammar_arg(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty, min_p=args.min_p,
+                            min_tokens=args.min_tokens, logit_bias=args.logit_bias,
+                            allowed_token_ids=args.allowed_token_ids, grammar=grammar)
     if args.draft_revision and not args.draft_model:
         raise ValueError("--draft-revision needs --draft-model")
     sargs = serve_args(args, GENERATE_FIELDS)
@@ -113,6 +177,19 @@ def generate(args: argparse.Namespace) -> dict:
             prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False)
     else:
         prompt_ids = args.prompt_ids
+    if args.bad_words or grammar is not None:
+        if tokenizer is None:
+            raise ValueError(f"{args.model} has no tokenizer for --bad-words or a structured "
+                             f"output")
+        from deploy.sampling_controls import bad_words_token_ids
+        from workers.grammar import Grammars
+
+        if grammar is not None:  # a grammar that does not compile: refused before the load
+            Grammars(tokenizer, target.vocab_size).compile(grammar)
+        params = replace(params, bad_words_token_ids=bad_words_token_ids(tokenizer,
+                                                                         args.bad_words)
+                         if args.bad_words else ())
+    params.check_vocab(target.vocab_size)
     max_model_len = resolve_max_model_len(cfg, target)  # checked before the engine loads
     if len(prompt_ids) + args.max_tokens > max_model_len:
         raise ValueError(

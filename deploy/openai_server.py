@@ -211,8 +211,11 @@ class OpenAIServer:
                 self._need_tokenizer(needs_text[0])
             if req.bad_words:
                 self._need_tokenizer("bad_words")
-            bad_words = bad_words_token_ids(self.tokenizer, req.bad_words) \
-                if req.bad_words else ()
+            try:
+                bad_words = bad_words_token_ids(self.tokenizer, req.bad_words) \
+                    if req.bad_words else ()
+            except ValueError as e:
+                raise RequestError(str(e), "bad_words") from None
             prompts = await self._prompts(req)
             budgets = [self._max_tokens(req, len(ids)) for ids, _ in prompts]
             check_response_size(req, [ids for ids, _ in prompts], budgets)

@@ -14,11 +14,12 @@ from workers.grammar import GrammarError, Grammars
 
 def bad_words_token_ids(tokenizer, words: str | list[str]) -> tuple[tuple[int, ...], ...]:
     """vLLM's spelling of bad_words: each word as it starts the text and, where the tokenizer
-    spells it differently after a space (a new first token, the same length), that way too."""
+    spells it differently after a space (a new first token, the same length), that way too.
+    ValueError for a blank word."""
     out: list[tuple[int, ...]] = []
     for word in [words] if isinstance(words, str) else words:
         if not word.strip():
-            raise RequestError("bad_words must not hold empty or blank words", "bad_words")
+            raise ValueError("bad_words must not hold empty or blank words")
         bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         out.append(bare)
         spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))

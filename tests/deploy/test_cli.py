@@ -45,6 +45,34 @@ def test_console_script_text_prompt_and_chat():
     assert 1 <= len(out["token_ids"]) <= 8 and out["finish_reason"] in ("stop", "length")
 
 
+def test_generate_takes_structured_outputs_and_the_sampling_controls(capsys, tmp_path):
+    import re
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}, '
+                      '"required": ["n"], "additionalProperties": false}')
+    base = ["generate", "--model", str(DEMO / "target"), "--draft-model", str(DEMO / "draft"),
+            "--prompt", "To make bread", "--max-tokens", "24", "--json"]
+    for extra, check in (
+            (["--json-schema", str(schema), "--repetition-penalty", "1.2"],
+             lambda t: list(json.loads(t)) == ["n"]),
+            (["--regex", "[a-z]{2,5}( [a-z]{2,5})?", "--bad-words", "the", "--min-p", "0.1"],
+             lambda t: re.fullmatch("[a-z]{2,5}( [a-z]{2,5})?", t)),
+            (["--choice", "oak", "--choice", "river bank", "--frequency-penalty", "1",
+              "--presence-penalty", "0.5", "--logit-bias", "90=-100"],
+             lambda t: t in ("oak", "river bank"))):
+        assert main(base + extra) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["finish_reason"] == "stop" and check(out["text"]), (extra, out)
+    assert main(base + ["--allowed-token-ids", "64,65,66", "--min-tokens", "24"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["token_ids"]) <= {64, 65, 66} and len(out["token_ids"]) == 24
+    assert main(base + ["--regex", "(a"]) == 2
+    assert "does not compile" in capsys.readouterr().err
+    assert main(base + ["--logit-bias", "9999=1"]) == 2
+    assert "logit_bias" in capsys.readouterr().err
+
+
 def test_errors_exit_2_with_a_message(capsys, tmp_path):
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
     assert "does not exist" in capsys.readouterr().err
