@@ -13,6 +13,7 @@ from bench.timing import sample_times
 from cluster.executor import LocalExecutor
 from configs.engine import SamplingParams
 from workers.cache import allocate_target_caches
+from workers.controls import ControlsEnv
 from workers.cuda_graphs import MAX_GRAPH_WIDTH, RoundGraphs, num_scratch_pages
 from workers.messages import NewSeq, StepKind, StepMsg, StepResult
 from workers.model_runner import ModelRunner
@@ -28,8 +29,9 @@ class Batch:
     the engine's ChannelExecutor over the Ray actors: the same steps either way."""
 
     def __init__(self, executor, b: int, prompt_len: int, max_new: int, page_size: int,
-                 vocab: int):
-        self.executor, self.b, self.vocab = executor, b, vocab
+                 vocab: int, params: SamplingParams = GREEDY):
+        """`params`: every sequence's (sampling controls need the executor's ControlsEnv)."""
+        self.executor, self.b, self.vocab, self.params = executor, b, vocab, params
         self.pages = -(-(prompt_len + max_new) // page_size)
         self.tables = [list(range(i * self.pages, (i + 1) * self.pages)) for i in range(b)]
         g = torch.Generator().manual_seed(0)
@@ -42,7 +44,9 @@ class Batch:
 
     @classmethod
     def in_process(cls, target, draft_runner, aux_ids, b: int, prompt_len: int, max_new: int,
-                   page_size: int, device: torch.device, cuda_graphs: bool = False) -> Batch:
+                   page_size: int, device: torch.device, cuda_graphs: bool = False,
+                   params: SamplingParams = GREEDY, controls: ControlsEnv | None = None
+                   ) -> Batch:
         pages = -(-(prompt_len + max_new) // page_size)
         num_pages = b * pages
         scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page_size) if cuda_graphs else 0
@@ -51,12 +55,14 @@ class Batch:
                              list(range(num_pages, num_pages + scratch)), b) \
             if cuda_graphs else None
         runner = ModelRunner(target, caches, aux_ids, device, graphs=graphs)
-        return cls(LocalExecutor(runner, draft_runner), b, prompt_len, max_new, page_size,
-                   target.config.vocab_size)
+        return cls(LocalExecutor(runner, draft_runner, controls), b, prompt_len, max_new,
+                   page_size, target.config.vocab_size, params)
 
     def _run(self, kind: StepKind, **fields) -> StepResult:
-        new = [] if self.sent else [NewSeq(i, p, t, i - SEQ_ID_BASE, GREEDY) for i, p, t in
-                                    zip(self.seq_ids, self.prompts, self.tables, strict=True)]
+        new = [] if self.sent else [
+            # the end of sequence its controls see: the vocabulary's last (padding) id
+            NewSeq(i, p, t, i - SEQ_ID_BASE, self.params, (self.vocab - 1,)) for i, p, t in
+            zip(self.seq_ids, self.prompts, self.tables, strict=True)]
         self.sent = True
         msg = StepMsg(self.step_id, kind, seq_ids=self.seq_ids, new_seqs=new, **fields)
         self.step_id += 1

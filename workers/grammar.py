@@ -57,10 +57,13 @@ class Grammars:
     """Compiles specs for one tokenizer. `tokenizer`: a transformers tokenizer; `vocab_size`:
     the logits' width (the model's vocabulary, padded past the tokenizer's)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, info=None):
+        """`info`: an xgrammar TokenizerInfo to use instead of the tokenizer's (benchmarks
+        without the model's tokenizer files)."""
         xgr = _xgrammar()
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.info = info if info is not None else xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size)
         # Compiles run on the caller's thread (the API's executor, a worker's compile thread);
         # one thread each keeps a worker's compile from taking the cores its step needs.
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)

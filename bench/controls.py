@@ -1,0 +1,180 @@
+"""What structured outputs and the sampling penalties cost per verify round, in process, on the
+real architecture with random weights, against unconstrained rounds in the same run:
+
+    python -m bench.controls --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 \
+        --block-size 16 --vocab-tiktoken qwen.tiktoken --out controls.json
+
+Three settings per batch size, each a verify round of B tokens per sequence (forward, masks or
+penalties, greedy acceptance, commit), median ms over --iters:
+
+  baseline   free sequences, random drafts
+  json       every sequence under a JSON schema (SCHEMA below); its drafts are legal (each
+             the lowest token id the grammar allows after the ones before), so every round
+             walks the matcher through the whole block: the most mask work a round can need
+  penalties  repetition, frequency and presence penalties and a logit bias, random drafts
+
+The grammar needs a tokenizer's vocabulary: --vocab-tiktoken reads a tiktoken BPE table (base64
+token, rank per line; e.g. Qwen's 151,643-token qwen.tiktoken), padded to the model's
+vocabulary with ids no grammar allows; --tokenizer DIR takes a transformers tokenizer's."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.floors import sync
+from bench.random_model import build_target
+from bench.steps import Batch
+from configs.engine import GrammarSpec, SamplingParams
+from configs.presets import target_preset
+from workers.controls import ControlsEnv
+from workers.grammar import Grammars, bitmask_words
+
+SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["id", "name", "email", "age", "tags", "address"],
+    "properties": {
+        "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 40},
+        "email": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+        "address": {"type": "object", "required": ["city", "zip"],
+                    "properties": {"city": {"type": "string"}, "zip": {"type": "string"}}},
+    },
+}
+PENALTIES = SamplingParams(max_tokens=1 << 20, ignore_eos=True, repetition_penalty=1.1,
+                           frequency_penalty=0.4, presence_penalty=0.3,
+                           logit_bias=((11, -5.0), (13, 2.0)))
+
+
+def grammars_for(args, vocab_size: int) -> Grammars:
+    import xgrammar as xgr
+
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        return Grammars(AutoTokenizer.from_pretrained(args.tokenizer), vocab_size)
+    lines = Path(args.vocab_tiktoken).read_bytes().splitlines()
+    vocab = [base64.b64decode(line.split()[0]) for line in lines if line.strip()]
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=[vocab_size - 1])
+    return Grammars(None, vocab_size, info=info)
+
+
+def legal_drafts(batch: Batch, k: int) -> list[list[int]]:
+    """Per sequence, k tokens its grammar allows after its committed ones (the lowest id each
+    time), from a fork of its matcher in the target's controls."""
+    out = []
+    table = batch.executor.target.controls
+    for seq_id in batch.seq_ids:
+        matcher = table.get(seq_id).matcher().fork()
+        words = np.zeros((1, bitmask_words(batch.vocab)), np.int32)
+        drafts = []
+        for _ in range(k):
+            matcher.fill_next_token_bitmask(words)
+            nonzero = np.flatnonzero(words[0])
+            if matcher.is_terminated() or not len(nonzero):
+                break
+            word = int(nonzero[0])
+            bit = (int(words[0, word]) & -int(words[0, word])).bit_length() - 1
+            tok = word * 32 + bit
+            if not matcher.accept_token(tok):
+                break
+            drafts.append(tok)
+        out.append(drafts + [0] * (k - len(drafts)))
+    return out
+
+
+def round_ms(batch: Batch, drafts_fn, iters: int, warmup: int, device) -> dict:
+    """Median ms of a verify round (drafts made before the clock starts)."""
+    samples = []
+    for i in range(warmup + iters):
+        drafts = drafts_fn()
+        sync(device)
+        t = time.perf_counter()
+        batch.verify(drafts)
+        sync(device)
+        if i >= warmup:
+            samples.append((time.perf_counter() - t) * 1e3)
+    return {"ms": statistics.median(samples), "samples_ms": [round(x, 4) for x in samples]}
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    raw = json.loads(Path(args.config).read_text()) if args.config else \
+        target_preset(args.preset)
+    target = build_target(raw, getattr(torch, args.dtype), device)
+    graphs = device.type == "cuda" and not args.enforce_eager
+    if graphs:
+        from configs.kernels import KernelConfig
+
+        target.set_kernels(KernelConfig(), True)
+    vocab = target.config.vocab_size
+    env = ControlsEnv(vocab, device)
+    env._grammars = grammars_for(args, vocab)
+    spec = GrammarSpec("json", json.dumps(SCHEMA))
+    t = time.perf_counter()
+    env.grammars().compile(spec)
+    results = {"args": vars(args), "compile_ms": (time.perf_counter() - t) * 1e3, "runs": []}
+    settings = {
+        "baseline": SamplingParams(max_tokens=1 << 20, ignore_eos=True),
+        "json": SamplingParams(max_tokens=1 << 20, ignore_eos=True, grammar=spec),
+        "penalties": PENALTIES,
+    }
+    k = args.block_size - 1
+    for b in args.batch_sizes:
+        max_new = (args.warmup + args.iters + 2) * args.block_size * len(settings)
+        row = {"batch": b}
+        for name, params in settings.items():
+            batch = Batch.in_process(target, None, (), b, args.prompt_len, max_new,
+                                     args.page_size, device, graphs, params, env)
+            batch.prefill()
+            drafts = (lambda batch=batch: legal_drafts(batch, k)) if name == "json" else \
+                (lambda batch=batch: batch.random_drafts(k))
+            row[name] = round_ms(batch, drafts, args.iters, args.warmup, device)
+            batch.release()
+            del batch
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        for name in ("json", "penalties"):
+            row[f"{name}_cost"] = row[name]["ms"] / row["baseline"]["ms"] - 1
+        results["runs"].append(row)
+        print(f"batch {b}: baseline {row['baseline']['ms']:.2f} ms, json "
+              f"{row['json']['ms']:.2f} ms ({row['json_cost']:+.1%}), penalties "
+              f"{row['penalties']['ms']:.2f} ms ({row['penalties_cost']:+.1%})", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    return results
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3.5-35b-a3b")
+    p.add_argument("--config", help="a target config.json instead of the preset")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--enforce-eager", action="store_true")
+    vocab = p.add_mutually_exclusive_group(required=True)
+    vocab.add_argument("--vocab-tiktoken", help="a tiktoken BPE table (base64 token, rank)")
+    vocab.add_argument("--tokenizer", help="a transformers tokenizer directory")
+    p.add_argument("--out", help="write the JSON here (rewritten after each batch size)")
+    return p
+
+
+def main() -> None:
+    run(parser().parse_args())
+
+
+if __name__ == "__main__":
+    main()
