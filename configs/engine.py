@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -121,12 +122,14 @@ class SamplingParams:
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
 
-    @property
+    # cached: read per sequence at every step (a frozen dataclass's cached_property writes
+    # the instance's __dict__ directly)
+    @cached_property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
-    @property
+    @cached_property
     def has_controls(self) -> bool:
         """Anything that changes the logits before the token is picked (workers/controls.py);
         min_p acts on the probabilities instead (workers/sampling.py)."""

@@ -17,6 +17,7 @@ pass; the bias and penalties are a few device ops for all controlled rows togeth
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,8 @@ class ControlsEnv:
         self.tokenizer_dir = tokenizer_dir
         self._grammars: Grammars | None = None
         self._pool: ThreadPoolExecutor | None = None
+        # the step's thread and the compile thread may both ask first: one builds
+        self._lock = threading.Lock()
 
     @classmethod
     def for_checkpoint(cls, model_dir: str, vocab_size: int,
@@ -52,15 +55,16 @@ class ControlsEnv:
         return cls(vocab_size, device, str(d) if has_tokenizer else None)
 
     def grammars(self) -> Grammars:
-        if self._grammars is None:
-            if self.tokenizer_dir is None:
-                raise GrammarError("structured outputs need the model's tokenizer; this "
-                                   "checkpoint ships none")
-            from transformers import AutoTokenizer
+        with self._lock:
+            if self._grammars is None:
+                if self.tokenizer_dir is None:
+                    raise GrammarError("structured outputs need the model's tokenizer; this "
+                                       "checkpoint ships none")
+                from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-            self._grammars = Grammars(tokenizer, self.vocab_size)
-        return self._grammars
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+                self._grammars = Grammars(tokenizer, self.vocab_size)
+            return self._grammars
 
     def compile_later(self, params: SamplingParams) -> Future:
         if self._pool is None:
@@ -96,7 +100,7 @@ class SeqControls:
             self.counts = torch.zeros(v, dtype=torch.int32, device=device)
             if params.repetition_penalty != 1:
                 self.in_prompt = torch.zeros(v, dtype=torch.bool, device=device)
-                self.in_prompt[torch.tensor(prompt_ids, device=device)] = True
+                self.in_prompt[_device_tensor(prompt_ids, torch.long, device)] = True
         self._env = env
         self._compiled: Future | None = None
         self._matcher = None
@@ -111,8 +115,8 @@ class SeqControls:
     def matcher(self):
         """The grammar's matcher (waits for its compile); GrammarError if it did not."""
         if self._matcher is None and self._compiled is not None:
-            self._matcher = self._env.grammars().matcher(self._compiled.result(),
-                                                         self.grammar_end_ids)
+            compiled = self._compiled.result()  # (the compile thread built the Grammars)
+            self._matcher = self._env.grammars().matcher(compiled, self.grammar_end_ids)
         return self._matcher
 
     def fill_masks(self, block: list[int], out: torch.Tensor) -> None:
@@ -150,9 +154,10 @@ class SeqControls:
             return
         self.generated += tokens
         if self.counts is not None:
-            self.counts.index_put_((torch.tensor(tokens, device=self.counts.device),),
-                                   torch.ones(len(tokens), dtype=torch.int32,
-                                              device=self.counts.device), accumulate=True)
+            dev = self.counts.device
+            self.counts.index_put_((_device_tensor(tokens, torch.long, dev),),
+                                   torch.ones(len(tokens), dtype=torch.int32, device=dev),
+                                   accumulate=True)
         matcher = self.matcher()
         if matcher is not None:
             for t in tokens:
@@ -286,7 +291,7 @@ def _apply_masks(logits: torch.Tensor, rows: list[ControlRows], errors: dict[int
             host[at : at + r.num_rows] = -1
         index.extend(range(r.first, r.first + r.num_rows))
         at += r.num_rows
-    index_t = torch.tensor(index, device=logits.device)
+    index_t = _device_tensor(index, torch.long, logits.device)
     allowed = unpack_bits(host.to(logits.device, non_blocking=True), logits.shape[-1])
     logits[index_t] = logits[index_t].masked_fill(~allowed, float("-inf"))
 
@@ -299,8 +304,9 @@ def _apply_bias(logits: torch.Tensor, rows: list[ControlRows]) -> None:
             tok_idx.extend([t] * r.num_rows)
             values.extend([b] * r.num_rows)
     dev = logits.device
-    logits.index_put_((torch.tensor(row_idx, device=dev), torch.tensor(tok_idx, device=dev)),
-                      torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
+    logits.index_put_((_device_tensor(row_idx, torch.long, dev),
+                       _device_tensor(tok_idx, torch.long, dev)),
+                      _device_tensor(values, logits.dtype, dev), accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[ControlRows]) -> None:
@@ -318,26 +324,37 @@ def _apply_penalties(logits: torch.Tensor, rows: list[ControlRows]) -> None:
             extra_r.extend([at + j] * j)
             extra_t.extend(r.block[1 : j + 1])
         at += r.num_rows
-    seq_t = torch.tensor(seq_of, device=dev)
+    seq_t = _device_tensor(seq_of, torch.long, dev)
     counts = torch.stack([r.controls.counts for r in rows])[seq_t]  # [R, V]
     if extra_r:
-        counts.index_put_((torch.tensor(extra_r, device=dev), torch.tensor(extra_t, device=dev)),
+        counts.index_put_((_device_tensor(extra_r, torch.long, dev),
+                           _device_tensor(extra_t, torch.long, dev)),
                           torch.ones(len(extra_r), dtype=counts.dtype, device=dev),
                           accumulate=True)
     params = [r.controls.params for r in rows]
-    per_row = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
-                            for p in params], dtype=torch.float32, device=dev)[seq_t]  # [R, 3]
+    per_row = _device_tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+                              for p in params], torch.float32, dev)[seq_t]  # [R, 3]
     rep, freq, pres = per_row.unbind(1)
     seen = counts > 0
     prompt = [r.controls.in_prompt if r.controls.in_prompt is not None
               else torch.zeros(v, dtype=torch.bool, device=dev) for r in rows]
     in_prompt_or_seen = torch.stack(prompt)[seq_t] | seen
-    row_t = torch.tensor(row_of, device=dev)
+    row_t = _device_tensor(row_of, torch.long, dev)
     x = logits[row_t].float()
     rep = torch.where(in_prompt_or_seen, rep[:, None], 1.0)
     x = torch.where(x > 0, x / rep, x * rep)
     x = x - freq[:, None] * counts - pres[:, None] * seen
     logits[row_t] = x.to(logits.dtype)
+
+
+def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values on `device`; to CUDA from pinned memory without waiting: a blocking copy would
+    wait for the forward queued before it, and the host work after it would no longer
+    overlap the device's."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # ---- token bitmasks ------------------------------------------------------------------------

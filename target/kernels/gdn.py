@@ -21,6 +21,30 @@ def gated_delta_rule(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tenso
     return gdn_torch.recurrent_gated_delta_rule(q, k, v, g, beta, state)
 
 
+def gated_delta_rule_many(inputs: list[tuple[torch.Tensor, ...]]
+                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """gated_delta_rule for each of several sequences, inputs (q, k, v, g, beta, state) each;
+    [(o, final state)] in order. Off fla, sequences of one length short enough for the
+    token-by-token recurrence run it together (a batch of many short prompts: one loop over
+    their tokens, not one per prompt); the results are the same, bit for bit."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(inputs)
+    groups: dict[int, list[int]] = {}
+    for i, (q, *_) in enumerate(inputs):
+        if q.is_cuda and _fla() is not None or q.shape[0] > gdn_torch.CHUNK:
+            out[i] = gated_delta_rule(*inputs[i])
+        else:
+            groups.setdefault(q.shape[0], []).append(i)
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = gated_delta_rule(*inputs[idx[0]])
+            continue
+        o, final = gdn_torch.recurrent_gated_delta_rule(
+            *(torch.stack([inputs[i][j] for i in idx]) for j in range(6)))
+        for n, i in enumerate(idx):
+            out[i] = (o[n], final[n])
+    return out
+
+
 def recurrence_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype q, k and β reach the recurrence in: the model's on fla (it takes them so),
     fp32 for the torch reference."""

@@ -124,12 +124,17 @@ class GatedDeltaNet(nn.Module):
         # [T, H]: g fp32, β in the recurrence's dtype
         g, beta = fused.gdn_gates(b, a, self.A_log, self.dt_bias, gdn.recurrence_dtype(x))
         cu = batch.cu_seqlens
-        outs = []
+        inputs, new_convs = [], []
         for s in range(batch.num_seqs):
             lo, hi, slot = cu[s], cu[s + 1], batch.state_slots[s]
             conv_out, new_conv = gdn.causal_conv(mixed_qkv[lo:hi], conv_cache[slot], weight)
             q, k, v = self._split_heads(conv_out)
-            o, new_state = gdn.gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi], ssm_cache[slot])
+            inputs.append((q, k, v, g[lo:hi], beta[lo:hi], ssm_cache[slot]))
+            new_convs.append(new_conv)
+        outs = []
+        for s, ((_, k, v, *_), new_conv, (o, new_state)) in enumerate(zip(
+                inputs, new_convs, gdn.gated_delta_rule_many(inputs), strict=True)):
+            lo, hi, slot = cu[s], cu[s + 1], batch.state_slots[s]
             if batch.is_verify[s]:
                 journal.append(GDNJournalEntry(mixed_qkv[lo:hi], k, v, g[lo:hi], beta[lo:hi]))
             else:

@@ -5,6 +5,7 @@ tokens."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from cluster.engine import LLMEngine
 from cluster.ray_executor import RayEngineCluster
-from configs.engine import EngineConfig, SamplingParams
+from configs.engine import EngineConfig, GrammarSpec, SamplingParams
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 pytestmark = pytest.mark.ray
@@ -24,6 +25,14 @@ def prompts_and_params(n: int):
                for k in torch.randint(2, 30, (n,), generator=g)]
     params = [SamplingParams(max_tokens=int(m), ignore_eos=True)
               for m in torch.randint(4, 30, (n,), generator=g)]
+    # the sampling controls' state lives in every rank and the draft actor: a grammar, the
+    # penalties, a bias and bad words, through every placement and TP size
+    params[:3] = [
+        replace(params[0], grammar=GrammarSpec("regex", "[a-z]{2,6}( [a-z]{2,6}){1,3}")),
+        replace(params[1], repetition_penalty=1.3, frequency_penalty=0.4,
+                logit_bias=((7, 3.0),)),
+        replace(params[2], bad_words_token_ids=((264,), (90, 17)), min_tokens=3),
+    ]
     return prompts, params
 
 

@@ -85,3 +85,24 @@ def test_fla_batched_recurrence_and_masked_replay_match_the_reference():
         _, want = gdn_torch.recurrent_gated_delta_rule(
             k[i, :n], k[i, :n], v[i, :n], decay[i, :n], beta[i, :n], state[i])
         torch.testing.assert_close(replay[i].float().cpu(), want, atol=2e-4, rtol=2e-4)
+
+
+def test_prompts_of_one_length_run_the_recurrence_together_bit_for_bit():
+    """A prefill of many short prompts (off fla) runs one recurrence per length: its outputs
+    and states are the one-prompt-at-a-time recurrence's, bit for bit, in order."""
+    from target.kernels import gdn, gdn_torch
+
+    g = torch.Generator().manual_seed(3)
+
+    def seq(n: int) -> tuple[torch.Tensor, ...]:
+        qk = torch.nn.functional.normalize(torch.randn(2, n, 4, 16, generator=g), dim=-1)
+        return (qk[0], qk[1], torch.randn(n, 4, 16, generator=g),
+                -torch.rand(n, 4, generator=g), torch.rand(n, 4, generator=g),
+                torch.randn(4, 16, 16, generator=g))
+
+    lengths = [5, 9, 5, 5, 9, 1, gdn_torch.CHUNK + 3, 5]  # groups, a single, a chunked one
+    inputs = [seq(n) for n in lengths]
+    got = gdn.gated_delta_rule_many(inputs)
+    for x, (o, state) in zip(inputs, got, strict=True):
+        want_o, want_state = gdn.gated_delta_rule(*x)
+        assert torch.equal(o, want_o) and torch.equal(state, want_state)
