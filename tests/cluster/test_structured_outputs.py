@@ -194,3 +194,21 @@ def test_sampling_under_a_grammar_follows_the_masked_target_distribution():
         counts[tuple(o.output_ids)] = counts.get(tuple(o.output_ids), 0) + 1 / N
     assert eng.stats.rounds > 0 and eng.stats.accepted_at[0] > 0
     assert tv(counts, exact) < noise_bound(exact)
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_captured_rounds_the_output_still_equals_target_only():
+    """The same mixed batch on the GPU (fp32): rounds and proposals replay CUDA graphs, the
+    masks, bias and penalties run on the device after them, the grammar's proposals through
+    the draft's top-k graph."""
+    reqs = requests()
+    prompts, params = [p for p, _ in reqs], [s for _, s in reqs]
+    want = engine(False, device="cuda", num_pages=512).generate(prompts, params)
+    for block_size in (8, 16):
+        spec = engine(True, block_size, device="cuda", num_pages=512)
+        got = spec.generate(prompts, params)
+        assert [g.output_ids for g in got] == [w.output_ids for w in want]
+        assert any(k[-1] == 8 for k in spec.executor.drafter.graphs)  # the top-k proposals
+    for (_, p), out in zip(reqs, want, strict=True):
+        if p.grammar is not None and p.grammar.kind == "json":
+            jsonschema.validate(json.loads(text(out.output_ids)), SCHEMA)
