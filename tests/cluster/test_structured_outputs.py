@@ -35,6 +35,12 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 REGEX = r"[a-z]{2,8}( [a-z]{2,6}){2}\."
 CHOICES = ["the river", "the oak tree", "bread", "a heron"]
 EBNF = 'root ::= "(" num (" + " num)* ")"\nnum ::= [1-9] [0-9]?'
+# xgrammar's structural tag: free text until "<", then an integer below 100 and ">"
+TAG = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<"], "tags": [{
+        "begin": "<", "end": ">", "content": {
+            "type": "json_schema",
+            "json_schema": {"type": "integer", "minimum": 0, "maximum": 99}}}]}}
 PROMPTS = ["To make bread, mix", "The library opens at", "On the far bank, a man",
            "A heron stood in the", "Students come to read", "The oldest book in"]
 
@@ -62,6 +68,9 @@ def requests() -> list[tuple[list[int], SamplingParams]]:
         (ids[4], SamplingParams(max_tokens=40)),  # free, in the same rounds
         (ids[5], constrained(grammar=GrammarSpec("regex", "[0-9]{4}"), max_tokens=12,
                              repetition_penalty=1.2, logit_bias=((17, 3.0),))),
+        (ids[1], constrained(grammar=GrammarSpec("structural_tag", json.dumps(TAG)),
+                             max_tokens=24, logit_bias=((TOKENIZER.convert_tokens_to_ids("<"),
+                                                         8.0),))),
     ]
 
 
@@ -104,6 +113,10 @@ def test_constrained_outputs_are_valid(target_only):
         if g.kind == "json_object":  # any object: the random model's may outrun max_tokens
             assert s.startswith("{")
             assert out.finish_reason == "length" or isinstance(json.loads(s), dict)
+            continue
+        if g.kind == "structural_tag":  # every tag opened is a well-formed one
+            tags = re.findall(r"<([^>]*)>", s)
+            assert tags and all(re.fullmatch(r"-?(0|[1-9][0-9]*)", t) for t in tags), s
             continue
         assert out.finish_reason == "stop" and out.output_ids[-1] == EOS, (g, out)
         if g.kind == "json":
