@@ -15,7 +15,14 @@ penalties, greedy acceptance, commit), median ms over --iters:
 
 The grammar needs a tokenizer's vocabulary: --vocab-tiktoken reads a tiktoken BPE table (base64
 token, rank per line; e.g. Qwen's 151,643-token qwen.tiktoken), padded to the model's
-vocabulary with ids no grammar allows; --tokenizer DIR takes a transformers tokenizer's."""
+vocabulary with ids no grammar allows; --tokenizer DIR takes a transformers tokenizer's.
+
+    python -m bench.controls --acceptance --model DIR --draft-model DIR --block-size 8
+
+measures instead what constraining the draft's proposals by the grammar buys: the mean
+acceptance length τ of a checkpoint pair over grammar-constrained greedy requests (the JSON
+schema, a regex, a choice list; --prompts of each), with the proposals constrained as served
+and with the draft proposing freely, on the same requests."""
 
 from __future__ import annotations
 
@@ -152,6 +159,39 @@ def run(args) -> dict:
     return results
 
 
+def acceptance(args) -> dict:
+    from cluster.engine import LLMEngine
+    from configs.engine import EngineConfig
+    from deploy.tokenizer import load_tokenizer
+    from workers.controls import ControlsTable
+
+    tokenizer = load_tokenizer(args.model)
+    texts = ["To make bread, mix", "The library opens at", "A heron stood in the",
+             "Students come to read", "The oldest book in", "On the far bank, a man"]
+    prompts = [tokenizer.encode(t) for t in texts][: args.prompts]
+    specs = {"json": GrammarSpec("json", json.dumps(SCHEMA)),
+             "regex": GrammarSpec("regex", r"[a-z]{2,8}( [a-z]{2,8}){2,6}\."),
+             "choice": GrammarSpec("choice", json.dumps(["the river", "an old oak tree",
+                                                         "bread and water"]))}
+    out = {"args": vars(args), "tau": {}}
+    for name, spec in specs.items():
+        params = SamplingParams(max_tokens=args.max_tokens, grammar=spec)
+        for masked in (True, False):
+            engine = LLMEngine(EngineConfig(model=args.model, draft_model=args.draft_model,
+                                            block_size=args.block_size, device=args.device,
+                                            dtype=args.dtype, max_num_seqs=len(prompts)))
+            if not masked:  # the draft keeps no grammars: it proposes freely
+                engine.executor.draft.controls = ControlsTable(None, draft=True)
+            engine.generate(prompts, [params] * len(prompts))
+            key = f"{name}_{'constrained' if masked else 'free'}_proposals"
+            out["tau"][key] = engine.stats.mean_acceptance_length
+            print(f"{name}: τ {out['tau'][key]:.3f} with "
+                  f"{'constrained' if masked else 'free'} proposals", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen3.5-35b-a3b")
@@ -165,15 +205,29 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--enforce-eager", action="store_true")
-    vocab = p.add_mutually_exclusive_group(required=True)
+    vocab = p.add_mutually_exclusive_group()
     vocab.add_argument("--vocab-tiktoken", help="a tiktoken BPE table (base64 token, rank)")
     vocab.add_argument("--tokenizer", help="a transformers tokenizer directory")
+    p.add_argument("--acceptance", action="store_true",
+                   help="τ with constrained and with free proposals (--model, --draft-model)")
+    p.add_argument("--model", help="--acceptance: the target checkpoint")
+    p.add_argument("--draft-model", help="--acceptance: the draft checkpoint")
+    p.add_argument("--prompts", type=int, default=6, help="--acceptance: prompts per grammar")
+    p.add_argument("--max-tokens", type=int, default=64, help="--acceptance: per request")
     p.add_argument("--out", help="write the JSON here (rewritten after each batch size)")
     return p
 
 
 def main() -> None:
-    run(parser().parse_args())
+    args = parser().parse_args()
+    if args.acceptance:
+        if not (args.model and args.draft_model):
+            raise SystemExit("--acceptance needs --model and --draft-model")
+        acceptance(args)
+    elif not (args.vocab_tiktoken or args.tokenizer):
+        raise SystemExit("give --vocab-tiktoken or --tokenizer (the grammar's vocabulary)")
+    else:
+        run(args)
 
 
 if __name__ == "__main__":
