@@ -42,7 +42,8 @@ from bench.steps import Batch
 from configs.engine import GrammarSpec, SamplingParams
 from configs.presets import target_preset
 from workers.controls import ControlsEnv
-from workers.grammar import Grammars, bitmask_words
+from workers.grammar import Grammars
+from workers.token_bitmask import bitmask_words
 
 SCHEMA = {
     "type": "object", "additionalProperties": False,

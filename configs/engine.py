@@ -52,7 +52,7 @@ class SamplingParams:
     logprobs: int | None = None
     # The same for every prompt token after the first (echo, prompt_logprobs); None: none.
     prompt_logprobs: int | None = None
-    # The controls below are vLLM's, with its semantics (workers/controls.py applies them, in
+    # The controls below are vLLM's, with its semantics (workers/logit_controls.py applies them, in
     # vLLM's order): presence and frequency over the generated tokens, repetition over the
     # prompt and the generated tokens; min_p after temperature.
     presence_penalty: float = 0.0
@@ -131,7 +131,7 @@ class SamplingParams:
 
     @cached_property
     def has_controls(self) -> bool:
-        """Anything that changes the logits before the token is picked (workers/controls.py);
+        """Anything that changes the logits before the token is picked (workers/logit_controls.py);
         min_p acts on the probabilities instead (workers/sampling.py)."""
         return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
                 or bool(self.bad_words_token_ids) or self.allowed_token_ids is not None

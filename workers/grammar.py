@@ -110,8 +110,3 @@ def json_schema_grammar(schema: str) -> str:
     ": "), control characters excluded from every string."""
     grammar = _xgrammar().Grammar.from_json_schema(schema, any_whitespace=False)
     return str(grammar).replace(_LENGTH_STRING_CHAR, _JSON_STRING_CHAR)
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words of a token bitmask over vocab_size tokens (bit t % 32 of word t // 32)."""
-    return (vocab_size + 31) // 32

@@ -13,8 +13,9 @@ from target.batch import ForwardBatch, TargetCaches
 from target.model import Qwen3_5MoeForCausalLM
 from workers import sampling
 from workers.cache import reset_state_slot
-from workers.controls import ControlRows, SeqControls, apply_controls
+from workers.controls import SeqControls
 from workers.cuda_graphs import RoundGraphs
+from workers.logit_controls import ControlRows, apply_controls
 from workers.logprobs import TokenLogprob, rows_logprobs, split_rows, token_logprobs
 from workers.messages import host_tables
 

@@ -19,9 +19,9 @@ from transformers import Qwen3_5MoeForCausalLM, RepetitionPenaltyLogitsProcessor
 from cluster.engine import LLMEngine
 from configs.engine import EngineConfig, GrammarSpec, SamplingParams
 from deploy.tokenizer import load_tokenizer
-from workers.controls import unpack_bits
 from workers.grammar import Grammars
 from workers.sampling import probs_from_logits
+from workers.token_bitmask import unpack_bits
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "tiny"
 TOKENIZER = load_tokenizer(str(DEMO / "target"))

@@ -20,16 +20,10 @@ from transformers import (
 
 from configs.engine import GrammarSpec, SamplingParams
 from deploy.tokenizer import load_tokenizer
-from workers.controls import (
-    ControlRows,
-    ControlsEnv,
-    SeqControls,
-    apply_controls,
-    clear_bits,
-    pack_bits,
-    unpack_bits,
-)
+from workers.controls import ControlsEnv, SeqControls
+from workers.logit_controls import ControlRows, apply_controls
 from workers.sampling import probs_from_logits
+from workers.token_bitmask import clear_bits, pack_bits, unpack_bits
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "assets" / "tiny" / "target"
 V = 384
