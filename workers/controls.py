@@ -24,6 +24,7 @@ import torch
 
 from configs.engine import SamplingParams
 from workers.grammar import GrammarError, Grammars
+from workers.messages import StepMsg
 from workers.token_bitmask import clear_bits, pack_bits
 
 log = logging.getLogger(__name__)
@@ -206,15 +207,16 @@ class ControlsTable:
         self.env, self.draft = env, draft
         self.by_seq: dict[int, SeqControls] = {}
 
-    def add(self, seq_id: int, params: SamplingParams, prompt_ids: list[int],
-            eos_ids: tuple[int, ...]) -> None:
-        wanted = params.grammar is not None if self.draft else params.has_controls
-        if wanted and self.env is not None:
-            self.by_seq[seq_id] = SeqControls(self.env, params, prompt_ids, eos_ids,
-                                              penalties=not self.draft)
-
-    def release(self, seq_id: int) -> None:
-        self.by_seq.pop(seq_id, None)
+    def apply(self, msg: StepMsg) -> None:
+        """The step's new sequences (those with controls) and its released ones."""
+        for seq in msg.new_seqs:
+            p = seq.params
+            wanted = p.grammar is not None if self.draft else p.has_controls
+            if wanted and self.env is not None:
+                self.by_seq[seq.seq_id] = SeqControls(self.env, p, seq.prompt_ids, seq.eos_ids,
+                                                      penalties=not self.draft)
+        for seq_id in msg.released:
+            self.by_seq.pop(seq_id, None)
 
     def get(self, seq_id: int) -> SeqControls | None:
         return self.by_seq.get(seq_id)

@@ -59,13 +59,6 @@ class SeqTable:
         return [self.table_t[i] for i in msg.seq_ids]
 
 
-def _apply_controls(controls: ControlsTable, msg: StepMsg) -> None:
-    for seq in msg.new_seqs:
-        controls.add(seq.seq_id, seq.params, seq.prompt_ids, seq.eos_ids)
-    for seq_id in msg.released:
-        controls.release(seq_id)
-
-
 class TargetStepper:
     """`controls`: what the sampling controls need in this process (workers/controls.py);
     None refuses them (each controlled sequence then fails alone)."""
@@ -78,7 +71,7 @@ class TargetStepper:
     def apply(self, msg: StepMsg) -> None:
         """Every message's sequence changes, whatever its kind."""
         self.table.apply(msg)
-        _apply_controls(self.controls, msg)
+        self.controls.apply(msg)
         for seq_id in msg.released:
             self.runner.release(seq_id)
 
@@ -94,14 +87,14 @@ class TargetStepper:
                          s.state_slot, s.params, sample=sample,
                          prompt_targets=None if s.params.prompt_logprobs is None
                          else s.prompt_ids[start + 1 : start + n + 1], block_table_t=t,
-                         controls=self._controls(s))
+                         controls=self.controls.get(s.seq_id))
                 for s, start, n, sample, t in zip(seqs, msg.starts, msg.chunk_lens,
                                                   msg.samples, tables, strict=True)])
         elif msg.kind is StepKind.ROUND:
             drafts = drafts if drafts is not None else [[]] * len(seqs)
             out = self.runner.verify([
                 SeqInput(s.seq_id, [anchor, *d], start, s.block_table, s.state_slot, s.params,
-                         block_table_t=t, controls=self._controls(s))
+                         block_table_t=t, controls=self.controls.get(s.seq_id))
                 for s, start, anchor, d, t in zip(seqs, msg.starts, msg.anchors, drafts,
                                                   tables, strict=True)])
         else:
@@ -109,9 +102,6 @@ class TargetStepper:
         for i, why in self.controls.commit(msg.seq_ids, out.new_tokens).items():
             out.errors[i], out.new_tokens[i] = why, []
         return out, time.perf_counter() - t
-
-    def _controls(self, seq: NewSeq):
-        return self.controls.get(seq.seq_id)
 
 
 def draft_proposes(msg: StepMsg) -> bool:
@@ -148,7 +138,7 @@ class DraftStepper:
 
     def apply(self, msg: StepMsg) -> None:
         self.table.apply(msg)
-        _apply_controls(self.controls, msg)
+        self.controls.apply(msg)
 
     def propose(self, msg: StepMsg) -> tuple[list[list[int]], float]:
         """The step's proposals [S, B − 1] (host lists) and their wall time."""
