@@ -1,8 +1,9 @@
 """What the server does with a request's sampling controls before the engine sees them: a
 structured output's grammar is compiled here (off the event loop; a spec that does not compile
-is a 400 naming the field), bad_words become token ids the way vLLM spells them, and every
-token id is checked against the vocabulary. The workers compile the same spec again in their
-own processes (workers/controls.py); xgrammar's cache makes repeats free in each."""
+is a 400 naming the field) and bad_words become token ids the way vLLM spells them (the
+server then checks every token id against the vocabulary: SamplingParams.check_vocab). The
+workers compile the same spec again in their own processes (workers/controls.py);
+xgrammar's cache makes repeats free in each."""
 
 from __future__ import annotations
 
