@@ -31,10 +31,13 @@ TP ?= 2
 DEVICE ?= cpu
 PORT ?= 8000
 SERVED_NAME ?= $(if $(filter tests/assets/tiny/target,$(MODEL)),tiny-dflash)
+# The demo's context past its config's 1,024 positions: Qwen3.5's tool-calling system prompt
+# alone is ~1,000 of the demo tokenizer's (byte-sized) tokens.
+DEMO_CONTEXT ?= $(if $(filter tests/assets/tiny/target,$(MODEL)),--max-model-len 4096 --allow-long-max-model-len)
 serve: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} RAY_USAGE_STATS_ENABLED=0 $(PY) -m deploy.cli serve \
 		--model $(MODEL) --draft-model $(DRAFT) --tp $(TP) --device $(DEVICE) --port $(PORT) \
-		$(if $(SERVED_NAME),--served-model-name $(SERVED_NAME)) $(SERVE_ARGS)
+		$(if $(SERVED_NAME),--served-model-name $(SERVED_NAME)) $(DEMO_CONTEXT) $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m ruff check .

@@ -26,16 +26,22 @@ class GrammarSpec:
     """A structured output's constraint, as text: json — a JSON schema (serialized);
     json_object — any JSON object (value ""); regex; choice — a JSON list of the strings;
     grammar — EBNF (GBNF as llama.cpp and xgrammar read it); structural_tag — xgrammar's
-    structural tag (JSON). Compiled by workers/grammar.py."""
+    structural tag (JSON). Compiled by workers/grammar.py.
+
+    `starts_after`: a token id (a reasoning model's `</think>`): the output is free until it
+    has generated that token, and constrained from the token after it on."""
 
     kind: str
     value: str
+    starts_after: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
             raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
         if not isinstance(self.value, str):
             raise ValueError(f"grammar value must be a string, got {type(self.value).__name__}")
+        if self.starts_after is not None:
+            _token_id(self.starts_after, "grammar.starts_after")
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,9 @@ class SamplingParams:
         named = (("logit_bias", [t for t, _ in self.logit_bias]),
                  ("bad_words", [t for w in self.bad_words_token_ids for t in w]),
                  ("allowed_token_ids", self.allowed_token_ids or ()),
-                 ("stop_token_ids", self.stop_token_ids))
+                 ("stop_token_ids", self.stop_token_ids),
+                 ("grammar.starts_after", () if self.grammar is None
+                  or self.grammar.starts_after is None else (self.grammar.starts_after,)))
         for name, ids in named:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:

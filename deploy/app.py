@@ -59,7 +59,8 @@ class DFlashServer:
     def __serve_build_asgi_app__(self):
         app = build_app(self.client, self.tokenizer, shutdown_client=True,
                         max_request_bytes=self.args.max_request_bytes,
-                        options=self.args.api_options(), defaults=self.defaults)
+                        options=self.args.api_options(), defaults=self.defaults,
+                        parsing=self.args.chat_parsing())
         # /metrics' series, also in Ray's metrics export: totals across replicas.
         self.ray_metrics = RayMetricsExport(app.state.metrics.registry, self.client.refresh)
         self.ray_metrics.start()

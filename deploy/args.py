@@ -19,6 +19,7 @@ from deploy.protocol import (
     load_sampling_defaults,
 )
 from deploy.tokenizer import chat_template_text
+from deploy.tool_calls import ChatParsing
 from target.kernels import selection
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,6 +162,15 @@ class ServeArgs:
         False, "let requests bring their own chat template (chat_template); by default only "
         "the server's is rendered")
     seed: int = arg(0, "seeds the sampling of requests that bring no seed")
+    reasoning_parser: str | None = arg(
+        None, "split chat responses' reasoning into reasoning_content: qwen3 (Qwen3 and "
+        "Qwen3.5's <think>…</think>); structured outputs then start after the reasoning")
+    enable_auto_tool_choice: bool = arg(
+        False, 'let the model decide to call tools (tool_choice "auto", the default with '
+        "tools); needs tool_call_parser")
+    tool_call_parser: str | None = arg(
+        None, "read the model's tool calls into tool_calls: qwen3_coder (Qwen3.5's XML form) "
+        "or hermes (Qwen3's JSON in <tool_call>)")
 
     def __post_init__(self) -> None:
         if not self.model or not isinstance(self.model, str):
@@ -177,6 +187,7 @@ class ServeArgs:
                              f"{self.shutdown_grace_s!r}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        self.chat_parsing()  # known parsers; auto tool choice with one
         if self.speculative_config is not None:
             self._merge_speculative_config(self.speculative_config)
         if self.dtype == "auto":
@@ -283,6 +294,10 @@ class ServeArgs:
         if self.served_model_name:
             return self.served_model_name
         return self.model if is_hub_id(self.model) else Path(self.model).name
+
+    def chat_parsing(self) -> ChatParsing:
+        return ChatParsing(self.reasoning_parser, self.enable_auto_tool_choice,
+                           self.tool_call_parser)
 
     def api_options(self) -> ApiOptions:
         return ApiOptions(api_key=self.api_key, allowed_origins=tuple(self.allowed_origins),

@@ -257,7 +257,11 @@ def _compiled(source: str, limits: RenderLimits
     expressions."""
     env = BoundedEnvironment()
     with env.budget.limited(limits):
-        variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+        tree = env.parse(source)
+        # what it reads before it sets, less what it sets itself somewhere (jinja counts a
+        # name set inside a block and read outside it as read): the template's inputs
+        assigned = {n.name for n in tree.find_all(jinja2.nodes.Name) if n.ctx == "store"}
+        variables = frozenset(jinja2.meta.find_undeclared_variables(tree) - assigned)
         return env, env.from_string(source), variables
 
 
@@ -317,15 +321,16 @@ class ChatTemplate:
                 raise RequestError(f"{key} is longer than {MAX_KWARG_CHARS} characters", where)
         return source
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-               kwargs: dict[str, Any] | None = None, source: str | None = None) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               kwargs: dict[str, Any] | None = None, source: str | None = None,
+               tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as text (kwargs already checked by `check_request`). Raises
         RequestError when the template fails or passes its limits."""
         env, template, _ = _compiled(source or self.source, self.limits)
         variables = {**self._special_tokens(), **(kwargs or {})}
         parts, size = [], 0
         with self._errors("messages", "rejected the messages"), env.budget.limited(self.limits):
-            for part in template.generate(messages=messages, tools=None, documents=None,
+            for part in template.generate(messages=messages, tools=tools, documents=None,
                                           add_generation_prompt=add_generation_prompt,
                                           **variables):
                 size += len(part)
@@ -348,14 +353,20 @@ class ChatTemplate:
         except Exception as e:  # a syntax error, the template's raise_exception, a type error
             raise RequestError(f"the chat template {failed}: {e}", param) from None
 
-    def ids(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-            kwargs: dict[str, Any] | None = None, template: str | None = None) -> list[int]:
+    def ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+            kwargs: dict[str, Any] | None = None, template: str | None = None,
+            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.text_and_ids(messages, add_generation_prompt, kwargs, template, tools)[1]
+
+    def text_and_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     kwargs: dict[str, Any] | None = None, template: str | None = None,
+                     tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """Rendered, then tokenized as apply_chat_template does (no added special tokens: the
         template writes them)."""
         source = self.check_request(kwargs, template)
         kwargs = {k: v for k, v in (kwargs or {}).items() if k != "chat_template"}
-        text = self.render(messages, add_generation_prompt, kwargs, source)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        text = self.render(messages, add_generation_prompt, kwargs, source, tools)
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _special_tokens(self) -> dict[str, Any]:
         return dict(getattr(self.tokenizer, "special_tokens_map", {}) or {})

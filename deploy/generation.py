@@ -38,6 +38,8 @@ class Generation:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.prompt_owner: Generation = self  # the choice that brings the prompt's logprobs
         self.finish_reason: str | None = None
+        # a chat's output parser (reasoning, tool calls: deploy/tool_calls.py); None: plain text
+        self.parser = None
         self._stream = stream
         self._first = None
 

@@ -36,6 +36,7 @@ from deploy.protocol import (
     RequestError,
     SamplingDefaults,
 )
+from deploy.tool_calls import NO_PARSERS, ChatParsing
 
 _OPEN = ApiOptions()  # no API key, every origin
 
@@ -43,10 +44,12 @@ _OPEN = ApiOptions()  # no API key, every origin
 def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               options: ApiOptions = _OPEN,
-              defaults: SamplingDefaults = OPENAI_DEFAULTS) -> FastAPI:
+              defaults: SamplingDefaults = OPENAI_DEFAULTS,
+              parsing: ChatParsing = NO_PARSERS) -> FastAPI:
     """The API over `client`; `tokenizer` is the target's (None: token-id prompts only).
     `shutdown_client`: the app owns the client and shuts it down when the app stops.
-    `defaults`: the sampling values of requests that leave them out (generation_config)."""
+    `defaults`: the sampling values of requests that leave them out (generation_config).
+    `parsing`: the reasoning and tool-call parsers of chat responses."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -57,7 +60,7 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     metrics = ServingMetrics(client.snapshot, client.model_name)
     server = OpenAIServer(client, tokenizer, metrics, max_request_bytes, defaults,
-                          options.trust_request_chat_template)
+                          options.trust_request_chat_template, parsing)
     app.state.metrics, app.state.server = metrics, server
     _add_error_handlers(app)
     add_access(app, options)

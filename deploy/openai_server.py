@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -45,18 +48,49 @@ from deploy.request_body import parse_body, read_body
 from deploy.responses import Responses, sse
 from deploy.sampling_controls import GrammarCheck, bad_words_token_ids
 from deploy.token_text import TokenTexts
+from deploy.tool_calls import (
+    NO_PARSERS,
+    ChatParsing,
+    check_tool_choice,
+    grammar_starts_after,
+    output_parser,
+    template_messages,
+    template_tools,
+)
 
 # A text prompt of more characters than the context × this cannot fit and is refused before
 # it is tokenized (tokenizing megabytes takes seconds); also the chat template's output limit.
 MAX_CHARS_PER_TOKEN = 64
 
 
+def openai_stream_error(err: RequestError) -> str:
+    """An error after a stream's headers, in-band as OpenAI sends it."""
+    return sse(err.body()) + sse("[DONE]")
+
+
+@dataclass
+class Job:
+    """A generating request as the server runs it: what the engine generates (`req`, with
+    its choices' ids prefixed `id_prefix`) and how the client reads the result: `complete`
+    the JSON body once every choice has finished, `events` the stream's events (both take
+    the request, its id, the choices and their echoes), `stream_error` an error once the
+    stream has started."""
+
+    req: CompletionRequest | ChatCompletionRequest
+    id_prefix: str
+    complete: Callable[..., Awaitable[Any]]
+    events: Callable[..., AsyncIterator[str]]
+    stream_error: Callable[[RequestError], str] = openai_stream_error
+
+
 class OpenAIServer:
     def __init__(self, client: EngineClient, tokenizer, metrics: ServingMetrics,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  defaults: SamplingDefaults = OPENAI_DEFAULTS,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False,
+                 parsing: ChatParsing = NO_PARSERS):
         self.client, self.tokenizer, self.metrics = client, tokenizer, metrics
+        self.parsing = parsing
         self.max_request_bytes, self.defaults = max_request_bytes, defaults
         self.max_chars = client.max_model_len * MAX_CHARS_PER_TOKEN
         self.chat = None if tokenizer is None else ChatTemplate(
@@ -82,19 +116,21 @@ class OpenAIServer:
         if any(type(t) is not int or not 0 <= t < vocab for t in ids):
             raise RequestError(f"token ids must be integers in [0, {vocab})", param)
 
-    def error(self, endpoint: str, e: Exception) -> JSONResponse:
+    def error(self, endpoint: str, e: Exception,
+              error_body: Callable[[RequestError], dict] = RequestError.body) -> JSONResponse:
         err = as_request_error(e)
         self.metrics.observe_error(endpoint, err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(error_body(err), status_code=err.status)
 
     async def _prompts(self, req: CompletionRequest | ChatCompletionRequest
                        ) -> list[tuple[list[int], str | None]]:
         """Each prompt's token ids, and its text where the request gave text (echo repeats
         it as given); text is tokenized off the event loop (other streams and /health go on
         meanwhile)."""
-        if isinstance(req, ChatCompletionRequest):
-            return [(await self._chat_ids(req.messages, True, req.chat_template_kwargs,
-                                          req.chat_template), None)]
+        if isinstance(req, ChatCompletionRequest):  # with the rendered text (the parsers')
+            text, ids = await self._chat_prompt(req.messages, True, req.chat_template_kwargs,
+                                                req.chat_template, req.tools)
+            return [(ids, text)]
         out = []
         for prompt in req.prompts:
             if isinstance(prompt, list):
@@ -109,17 +145,22 @@ class OpenAIServer:
             out.append((ids, text))
         return out
 
-    async def _chat_ids(self, messages, add_generation_prompt: bool,
-                        template_kwargs: dict | None, template: str | None) -> list[int]:
-        """Chat messages through the chat template (off the event loop), within its limits;
-        only the variables it allows (deploy/chat_template.py)."""
+    async def _chat_prompt(self, messages, add_generation_prompt: bool,
+                           template_kwargs: dict | None, template: str | None,
+                           tools=None) -> tuple[str, list[int]]:
+        """Chat messages (and tools) through the chat template (off the event loop), within
+        its limits; only the variables it allows (deploy/chat_template.py). The text and its
+        ids."""
         self._need_tokenizer("messages")
-        texts = [{"role": m.role, "content": m.text()} for m in messages]
-        self._check_chars(sum(len(m["content"]) for m in texts), "messages")
-        ids = await asyncio.to_thread(self.chat.ids, texts, add_generation_prompt,
-                                      template_kwargs, template)
+        conversation = template_messages(messages)
+        tool_dicts = template_tools(tools)
+        self._check_chars(sum(len(json.dumps(m)) for m in conversation)
+                          + len(json.dumps(tool_dicts)), "messages")
+        text, ids = await asyncio.to_thread(self.chat.text_and_ids, conversation,
+                                            add_generation_prompt, template_kwargs, template,
+                                            tool_dicts)
         self._check_ids(ids, "messages")
-        return ids
+        return text, ids
 
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
@@ -160,8 +201,9 @@ class OpenAIServer:
             req = await parse_body(TokenizeRequest, await self._body(request))
             self.check_model(req.model)
             if req.messages is not None:
-                ids = await self._chat_ids(req.messages, req.add_generation_prompt,
-                                           req.chat_template_kwargs, req.chat_template)
+                _, ids = await self._chat_prompt(req.messages, req.add_generation_prompt,
+                                                 req.chat_template_kwargs, req.chat_template,
+                                                 req.tools)
             else:
                 self._need_tokenizer("prompt")
                 self._check_chars(len(req.prompt), "prompt")
@@ -196,64 +238,105 @@ class OpenAIServer:
     # ---- completions ---------------------------------------------------------------------
 
     async def create(self, request: Request, chat: bool) -> Response:
-        endpoint = "chat_completions" if chat else "completions"
+        """/v1/completions and /v1/chat/completions."""
+        model = ChatCompletionRequest if chat else CompletionRequest
+
+        async def job(raw: bytes) -> Job:
+            req = await parse_body(model, raw)
+            return Job(req, "chatcmpl" if chat else "cmpl", self.responses.complete,
+                       self.responses.events)
+
+        return await self.run("chat_completions" if chat else "completions", request, job)
+
+    async def run(self, endpoint: str, request: Request,
+                  make_job: Callable[[bytes], Awaitable[Job]],
+                  error_body: Callable[[RequestError], dict] = RequestError.body) -> Response:
+        """A generating request from its body to its response: `make_job` parses the body into
+        what the engine runs and how the response is written (OpenAI's completions and chat
+        completions, and the APIs written over them); `error_body`: its errors' JSON."""
         gens: list[Generation] = []
         streaming = False  # the response owns the choices from then on
         try:
-            req = await parse_body(ChatCompletionRequest if chat else CompletionRequest,
-                                   await self._body(request))
-            self.check_model(req.model)
-            needs_text = [name for name, on in (
-                ("stop", bool(req.stop_strings)), ("logprobs", req.logprob_counts()[0] is not None),
-                ("prompt_logprobs", req.prompt_logprobs is not None),
-                ("echo", not chat and bool(req.echo))) if on]
-            if needs_text:  # token texts: the first field that asks for them names the error
-                self._need_tokenizer(needs_text[0])
-            if req.bad_words:
-                self._need_tokenizer("bad_words")
-            try:
-                bad_words = bad_words_token_ids(self.tokenizer, req.bad_words) \
-                    if req.bad_words else ()
-            except ValueError as e:
-                raise RequestError(str(e), "bad_words") from None
-            prompts = await self._prompts(req)
-            budgets = [self._max_tokens(req, len(ids)) for ids, _ in prompts]
-            check_response_size(req, [ids for ids, _ in prompts], budgets)
-            await self.grammars.check(req)  # compiled off the event loop; 400 if it does not
-            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            n = req.num_choices
-            wanted = self._engine_requests(req, request_id, prompts, budgets, bad_words)
-            # Every choice admitted at once, or none (429 at once when they do not fit). Not
-            # under unless_disconnected: its streams would be lost with a disconnect that
-            # came as they were returned; a cancellation while it runs aborts them itself.
-            streams = await self.client.generate_many([w for w, _, _ in wanted])
-            gens = [Generation(stream, ids, TextStream(self.tokenizer, req.stop_strings),
-                               w.timing, echo_only=echo_only)
-                    for stream, (w, ids, echo_only) in zip(streams, wanted, strict=True)]
-            for i, g in enumerate(gens):
-                g.prompt_owner = gens[i - i % n]
-            await unless_disconnected(request, start_all(gens))
-            echoes = [text for _, text in prompts for _ in range(n)]
+            job = await make_job(await self._body(request))
+            req = job.req
+            request_id, echoes = await self.start(req, request, job.id_prefix, gens)
             if req.stream:
-                body = self._stream(endpoint, req, request_id, gens, echoes)
+                body = self._stream(endpoint, job, request_id, gens, echoes)
                 streaming = True
                 return ClosingStream(body, gens, media_type="text/event-stream")
             response = await unless_disconnected(
-                request, self.responses.complete(req, request_id, gens, echoes))
+                request, job.complete(req, request_id, gens, echoes))
         except ClientDisconnect:  # the engine requests were aborted; nobody reads a reply
             self._observe(endpoint, gens)
             return Response(status_code=499)
         except Exception as e:
-            return self.error(endpoint, e)
+            return self.error(endpoint, e, error_body)
         finally:
             if not streaming:  # also when cancelled: no choice may run on without a reader
                 await close_all(gens)
         self._observe(endpoint, gens)
-        return JSONResponse(response.model_dump(mode="json"))
+        body = response if isinstance(response, dict) else response.model_dump(mode="json")
+        return JSONResponse(body)
+
+    async def start(self, req: CompletionRequest | ChatCompletionRequest, request: Request,
+                    id_prefix: str, gens: list[Generation]
+                    ) -> tuple[str, list[str | None]]:
+        """A parsed request's choices admitted to the engine (into `gens`, which the caller
+        closes however it ends) and started (their first output in, so that errors come
+        before any response): the request's id and each choice's prompt text to echo
+        (completions)."""
+        chat = isinstance(req, ChatCompletionRequest)
+        self.check_model(req.model)
+        needs_text = [name for name, on in (
+            ("stop", bool(req.stop_strings)), ("logprobs", req.logprob_counts()[0] is not None),
+            ("prompt_logprobs", req.prompt_logprobs is not None),
+            ("echo", not chat and bool(req.echo))) if on]
+        if needs_text:  # token texts: the first field that asks for them names the error
+            self._need_tokenizer(needs_text[0])
+        if req.bad_words:
+            self._need_tokenizer("bad_words")
+        try:
+            bad_words = bad_words_token_ids(self.tokenizer, req.bad_words) \
+                if req.bad_words else ()
+        except ValueError as e:
+            raise RequestError(str(e), "bad_words") from None
+        if chat and req.tools:
+            check_tool_choice(self.parsing, req)
+        prompts = await self._prompts(req)
+        budgets = [self._max_tokens(req, len(ids)) for ids, _ in prompts]
+        check_response_size(req, [ids for ids, _ in prompts], budgets)
+        await self.grammars.check(req)  # compiled off the event loop; 400 if it does not
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        n = req.num_choices
+        # with a reasoning parser, structured outputs start after the reasoning
+        starts_after = grammar_starts_after(self.parsing, self.tokenizer, prompts[0][1]) \
+            if chat else None
+        wanted = self._engine_requests(req, request_id, prompts, budgets, bad_words,
+                                       starts_after)
+        # Every choice admitted at once, or none (429 at once when they do not fit). Not
+        # under unless_disconnected: its streams would be lost with a disconnect that came
+        # as they were returned; a cancellation while it runs aborts them itself.
+        streams = await self.client.generate_many([w for w, _, _ in wanted])
+        gens += [Generation(stream, ids, TextStream(self.tokenizer, req.stop_strings),
+                            w.timing, echo_only=echo_only)
+                 for stream, (w, ids, echo_only) in zip(streams, wanted, strict=True)]
+        for i, g in enumerate(gens):
+            g.prompt_owner = gens[i - i % n]
+            if chat and self._parses(req):
+                g.parser = output_parser(self.parsing, req, prompts[0][1])
+        await unless_disconnected(request, start_all(gens))
+        echoes = [None if chat else text for _, text in prompts for _ in range(n)]
+        return request_id, echoes
+
+    def _parses(self, req: ChatCompletionRequest) -> bool:
+        """Whether a chat's output goes through the parsers: reasoning, or tools to call."""
+        return self.parsing.reasoning_parser is not None or (
+            bool(req.tools) and req.effective_tool_choice != "none")
 
     def _engine_requests(self, req, request_id: str,
                          prompts: list[tuple[list[int], str | None]], budgets: list[int],
-                         bad_words: tuple[tuple[int, ...], ...] = ()
+                         bad_words: tuple[tuple[int, ...], ...] = (),
+                         grammar_starts_after: int | None = None
                          ) -> list[tuple[EngineRequest, list[int], bool]]:
         """One engine request per choice, prompt-major: (the request, its prompt ids, whether
         it only echoes the prompt)."""
@@ -261,6 +344,9 @@ class OpenAIServer:
         wanted: list[tuple[EngineRequest, list[int], bool]] = []
         for (ids, _), budget in zip(prompts, budgets, strict=True):
             base = req.sampling_params(max(budget, 1), self.defaults, bad_words)
+            if base.grammar is not None and grammar_starts_after is not None:
+                base = dataclasses.replace(base, grammar=dataclasses.replace(
+                    base.grammar, starts_after=grammar_starts_after))
             try:
                 base.check_vocab(self.client.vocab_size)
             except ValueError as e:
@@ -276,18 +362,17 @@ class OpenAIServer:
                                budget == 0))
         return wanted
 
-    async def _stream(self, endpoint: str, req, request_id: str, gens: list[Generation],
-                      echoes: list[str | None]) -> AsyncIterator[str]:
+    async def _stream(self, endpoint: str, job: Job, request_id: str,
+                      gens: list[Generation], echoes: list[str | None]) -> AsyncIterator[str]:
         failed = False
         try:
-            async with aclosing(self.responses.events(req, request_id, gens, echoes)) as events:
+            async with aclosing(job.events(job.req, request_id, gens, echoes)) as events:
                 async for event in events:
                     yield event
         except Exception as e:  # headers are sent: report in-band, as OpenAI does
             failed, err = True, as_request_error(e)
             self.metrics.observe_error(endpoint, err.status)
-            yield sse(err.body())
-            yield sse("[DONE]")
+            yield job.stream_error(err)
         finally:  # also on client disconnect (cancellation): the engine requests were aborted
             if not failed:
                 self._observe(endpoint, gens)

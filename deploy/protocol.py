@@ -1,9 +1,9 @@
 """The subset of the OpenAI API we serve, as pydantic models, and its error shape.
 
 Requests are parsed leniently where OpenAI's clients send extras (unknown fields are ignored)
-but strictly where silence would mislead: a feature we do not implement (tools, beam search,
-...) is a 400 naming the field, never quietly dropped, and a value of the wrong JSON type is a
-400, never coerced ("16" is not a max_tokens).
+but strictly where silence would mislead: a feature we do not implement (beam search, the
+deprecated `functions`, ...) is a 400 naming the field, never quietly dropped, and a value of
+the wrong JSON type is a 400, never coerced ("16" is not a max_tokens).
 Extensions (vLLM's names): `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
 `prompt_logprobs`, the sampling controls (`repetition_penalty`, `min_p`, `min_tokens`,
 `bad_words`, `allowed_token_ids`) and structured outputs (`structured_outputs`, and the older
@@ -103,7 +103,7 @@ class RequestError(Exception):
 
 # Fields OpenAI (or vLLM, as extensions) defines that we do not implement → 400 unless
 # neutral: absent, null, false, 0, {}, [] (NEUTRAL), or the field's own no-op value.
-UNSUPPORTED = ("top_logprobs", "echo", "suffix", "tools", "functions", "audio", "prediction",
+UNSUPPORTED = ("top_logprobs", "echo", "suffix", "functions", "audio", "prediction",
                # vLLM's extensions
                "use_beam_search", "length_penalty", "logits_processors")
 NEUTRAL = (None, False, 0, {}, [])
@@ -111,8 +111,8 @@ NO_OP = {"length_penalty": 1}
 # vLLM's guided_decoding_backend values that name what serves structured outputs here
 GRAMMAR_BACKENDS = ("auto", "xgrammar")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# OpenAI's values (openai-python's ReasoningEffort): accepted, no effect yet (no reasoning
-# parser here; Qwen3.5 thinks unless chat_template_kwargs={"enable_thinking": false}).
+# OpenAI's values (openai-python's ReasoningEffort): accepted, no effect (Qwen3.5 thinks
+# unless chat_template_kwargs={"enable_thinking": false}).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # OpenAI's tiers: every request is served the one way, which responses name "default"
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
@@ -384,10 +384,52 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal[ROLES]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    reasoning_content: str | None = None  # an assistant's reasoning (vLLM's old name)
+    reasoning: str | None = None  # the same (vLLM's new name)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -407,12 +449,18 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None  # wins over max_tokens; None → rest of context
     logprobs: bool | None = False  # each output token's log-probability
     top_logprobs: int | None = None  # with logprobs: the most likely alternatives per token
-    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # accepted, no effect yet
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # accepted, no effect
     metadata: dict[str, str] | None = None  # accepted, unused (nothing is stored)
     store: bool | None = None  # true → 400: nothing is stored to retrieve
     service_tier: Literal[SERVICE_TIERS] | None = None  # named: responses say "default"
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None → true
 
     def check(self) -> None:
+        from deploy.tool_calls import check_tools
+
+        check_tools(self)  # first: the forced call's constraint reads the tools
         super().check()
         _check_logprobs(self.top_logprobs, "top_logprobs")
         if self.store:
@@ -429,6 +477,33 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def grammar_spec(self) -> tuple[GrammarSpec, str] | None:
+        """A `required` or named tool_choice is a constraint too (the tools' schemas), and
+        one more constraint than the response_format or structured outputs may bring."""
+        from deploy.tool_calls import forced_call_spec
+
+        found = super().grammar_spec()
+        forced = forced_call_spec(self)
+        if forced is None:
+            return found
+        if found is not None:
+            raise RequestError(f"tool_choice {self.tool_choice_name} constrains the output "
+                               f"to a tool call; it cannot be combined with {found[1]}",
+                               found[1])
+        return forced, "tool_choice"
+
+    @property
+    def tool_choice_name(self) -> str:
+        c = self.effective_tool_choice
+        return repr(c) if isinstance(c, str) else f"function {c.function.name!r}"
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -448,6 +523,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
     chat_template_kwargs: dict[str, Any] | None = None  # messages: as in chat completions
     chat_template: str | None = None  # messages: as in chat completions
+    tools: list[ToolDefinition] | None = None  # messages: as in chat completions
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -596,7 +672,11 @@ class CompletionResponse(_Response):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    # with a reasoning parser: the reasoning, under vLLM's old and new names
+    reasoning_content: str | None = Field(None, exclude_if=_absent)
+    reasoning: str | None = Field(None, exclude_if=_absent)
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent)
 
 
 class TopLogprob(BaseModel):
@@ -631,6 +711,11 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(BaseModel):
     role: str | None = Field(None, exclude_if=_absent)
     content: str | None = Field(None, exclude_if=_absent)
+    reasoning_content: str | None = Field(None, exclude_if=_absent)
+    reasoning: str | None = Field(None, exclude_if=_absent)
+    # OpenAI's streamed calls: {index, id, type, function: {name, arguments: ""}} first, then
+    # {index, function: {arguments: fragment}}
+    tool_calls: list[dict[str, Any]] | None = Field(None, exclude_if=_absent)
 
 
 class ChatChunkChoice(BaseModel):

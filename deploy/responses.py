@@ -22,9 +22,29 @@ from deploy.protocol import (
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
+    ToolCall,
 )
 from deploy.token_text import TokenTexts
 from workers.logprobs import TokenLogprob
+
+
+def _parsed_message(gen: Generation, text: str) -> tuple[AssistantMessage, str | None]:
+    """A chat choice's message and finish reason: its text, or what its parser makes of it
+    (reasoning, tool calls: finish reason "tool_calls" where it called one)."""
+    parser = gen.parser
+    if parser is None:
+        return AssistantMessage(content=text), gen.finish_reason
+    parser.feed(text)
+    parser.finish()
+    m = parser.message()
+    finish = gen.finish_reason
+    if parser.tool_called and finish == "stop":
+        finish = "tool_calls"
+    return AssistantMessage(content=m.get("content"),
+                            reasoning_content=m.get("reasoning_content"),
+                            reasoning=m.get("reasoning"),
+                            tool_calls=[ToolCall.model_validate(c) for c in m["tool_calls"]]
+                            or None), finish
 
 
 def sse(payload: dict | str) -> str:
@@ -57,12 +77,15 @@ class Responses:
                 common["prompt_logprobs"] = self._prompt_logprobs(gens[0], prompt_k)
             if req.service_tier is not None:  # the tier that served it, as OpenAI says
                 common["service_tier"] = "default"
-            return ChatCompletionResponse(**common, choices=[ChatChoice(
-                index=i, message=AssistantMessage(content="".join(text)),
-                finish_reason=g.finish_reason, token_ids=g.token_ids if tokens else None,
-                logprobs=chat_logprobs(self.tokens, g.token_ids, g.logprobs) if wants_logprobs
-                else None)
-                for i, (g, text) in enumerate(zip(gens, texts, strict=True))])
+            choices = []
+            for i, (g, text) in enumerate(zip(gens, texts, strict=True)):
+                message, finish = _parsed_message(g, "".join(text))
+                choices.append(ChatChoice(
+                    index=i, message=message, finish_reason=finish,
+                    token_ids=g.token_ids if tokens else None,
+                    logprobs=chat_logprobs(self.tokens, g.token_ids, g.logprobs)
+                    if wants_logprobs else None))
+            return ChatCompletionResponse(**common, choices=choices)
         choices = []
         for i, (g, text, echo) in enumerate(zip(gens, texts, echoes, strict=True)):
             body, lp_ids, lps = "".join(text), g.token_ids, g.logprobs
@@ -97,18 +120,20 @@ class Responses:
         wants_logprobs = req.logprob_counts()[0] is not None
         offsets = [0] * len(gens)  # each choice's text_offset so far
 
-        def chunk(i: int, text: str | None, ids: list[int] | None,
+        def chunk(i: int, text: str | dict | None, ids: list[int] | None,
                   lps: list[TokenLogprob | None] | None, finish: str | None,
                   role: str | None = None) -> str:
+            """text: a completion's text, or a chat's content or delta (a parser's)."""
             token_ids = ids if req.return_token_ids else None
             if chat:
                 logprobs = chat_logprobs(self.tokens, ids, lps) if wants_logprobs and ids \
                     else None
                 tier = None if req.service_tier is None else "default"
+                delta = DeltaMessage(role=role, **(text if isinstance(text, dict)
+                                                   else {"content": text}))
                 body = ChatCompletionChunk(id=request_id, created=created, model=model,
                                            service_tier=tier, **first_ids, choices=[ChatChunkChoice(
-                                               index=i, delta=DeltaMessage(role=role,
-                                                                           content=text),
+                                               index=i, delta=delta,
                                                finish_reason=finish, token_ids=token_ids,
                                                logprobs=logprobs)])
             else:
@@ -132,7 +157,22 @@ class Responses:
                             echo_logprobs(g.prompt_ids, g.prompt_logprobs), None)
         async with aclosing(merged(gens)) as deltas:
             async for i, (delta, ids, lps, finish) in deltas:
-                yield chunk(i, delta, ids, lps, finish)
+                parser = gens[i].parser
+                if parser is None:
+                    yield chunk(i, delta, ids, lps, finish)
+                    continue
+                # the parser's deltas; the engine's ids and log-probabilities with the first
+                # (an empty delta carries them while the parser holds text back), the finish
+                # reason with the last
+                parsed = parser.feed(delta) + (parser.finish() if finish else [])
+                if finish and parser.tool_called and finish == "stop":
+                    finish = "tool_calls"
+                if not parsed and (finish or ids):
+                    parsed = [{}]
+                for k, d in enumerate(parsed):
+                    last = k == len(parsed) - 1
+                    yield chunk(i, d, ids if k == 0 else None, lps if k == 0 else None,
+                                finish if last else None)
         if req.include_usage:
             cls = ChatCompletionChunk if chat else CompletionResponse
             yield sse(cls(id=request_id, created=created, model=model, choices=[],

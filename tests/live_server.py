@@ -41,10 +41,13 @@ DEMO_MODEL = "tiny-dflash"  # the id demo_api serves by default
 
 
 @contextmanager
-def demo_api(model_name: str = DEMO_MODEL, wrap: Callable | None = None) -> Iterator[dict]:
+def demo_api(model_name: str = DEMO_MODEL, wrap: Callable | None = None,
+             max_model_len: int | None = None) -> Iterator[dict]:
     """The demo target and its trained draft (B = 8) in process behind the OpenAI API, served
     by uvicorn, with a target-only engine as the reference. `wrap` wraps the ASGI app (a
-    recorder). Yields url, client, tokenizer, reference, server (the OpenAIServer), app."""
+    recorder); `max_model_len` past the demo's 1024 (Qwen3.5's tool prompt alone is ~1,000 of
+    the demo's tokens). Yields url, client, tokenizer, reference, server (the OpenAIServer),
+    app."""
     from cluster.engine import LLMEngine
     from configs.engine import EngineConfig
     from deploy.engine_client import LocalEngineClient
@@ -52,8 +55,10 @@ def demo_api(model_name: str = DEMO_MODEL, wrap: Callable | None = None) -> Iter
     from deploy.tokenizer import load_tokenizer
 
     target, draft = str(DEMO / "target"), str(DEMO / "draft")
+    long = {} if max_model_len is None else {"max_model_len": max_model_len,
+                                             "allow_long_max_model_len": True}
     engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=8,
-                                    max_num_seqs=16, page_size=8))
+                                    max_num_seqs=16, page_size=8, **long))
     client = LocalEngineClient(engine, model_name)
     tokenizer = load_tokenizer(target)
     app = build_app(client, tokenizer)

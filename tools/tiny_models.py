@@ -16,7 +16,11 @@ import torch
 from safetensors.torch import save_file
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
-BPE_VOCAB_SIZE = 316  # 256 byte symbols + 60 merges; the 4 specials follow -> 320 tokens
+# Qwen3.5's tags for reasoning and tool calls: single tokens, but not special (decoding keeps
+# them, as Qwen's tokenizer does), after the specials -> ids 320..325.
+TAG_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>",
+              "</tool_response>"]
+BPE_VOCAB_SIZE = 316  # 256 byte symbols + 60 merges; then the 4 specials and the 6 tags
 TARGET_VOCAB_SIZE = 384  # padded past the tokenizer, as real checkpoints are
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TARGET_SEED = 1234
@@ -37,12 +41,9 @@ PRETOKENIZE_REGEX = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# Qwen3.5's published chat template, byte for byte (tests/assets/qwen3_5/README.md).
+CHAT_TEMPLATE = (Path(__file__).parents[1] / "tests/assets/qwen3_5/chat_template.jinja"
+                 ).read_text()
 
 CORPUS = """\
 The morning fog lifted slowly over the river, and the boats began to move again. A heron stood
@@ -126,12 +127,18 @@ def build_tokenizer():
     tok.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
     # Specials after the BPE vocab, as in Qwen (ids 316..319).
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    assert tok.get_vocab_size() == BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    assert tok.get_vocab_size() == BPE_VOCAB_SIZE + len(SPECIAL_TOKENS) + len(TAG_TOKENS)
     return tok
 
 
 def special_token_ids() -> dict[str, int]:
     return {t: BPE_VOCAB_SIZE + i for i, t in enumerate(SPECIAL_TOKENS)}
+
+
+def tag_token_ids() -> dict[str, int]:
+    first = BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
+    return {t: first + i for i, t in enumerate(TAG_TOKENS)}
 
 
 def write_tokenizer(out_dir: str | Path) -> None:
@@ -150,9 +157,10 @@ def write_tokenizer(out_dir: str | Path) -> None:
                 "normalized": False,
                 "rstrip": False,
                 "single_word": False,
-                "special": True,
+                "special": special,
             }
-            for t, i in ids.items()
+            for tokens, special in ((ids, True), (tag_token_ids(), False))
+            for t, i in tokens.items()
         },
         "bos_token": None,
         "chat_template": CHAT_TEMPLATE,

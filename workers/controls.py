@@ -103,8 +103,11 @@ class SeqControls:
         self._env = env
         self._compiled: Future | None = None
         self._matcher = None
+        # the grammar's opening token (a reasoning model's </think>) while it is still to come
+        self.waiting_for: int | None = None
         if params.grammar is not None:
             self._compiled = env.compile_later(params)
+            self.waiting_for = params.grammar.starts_after
 
     @property
     def masks(self) -> bool:
@@ -123,14 +126,20 @@ class SeqControls:
         anchor and drafts d1..dj (block = [anchor, d1 … dK]; [] for a prefill's one row)."""
         n_rows = out.shape[0]
         matcher = self.matcher()
-        if matcher is not None and not matcher.is_terminated():
-            if n_rows == 1:
-                matcher.fill_next_token_bitmask(out, 0)
+        # rows before the grammar opens are free: the grammar's first row follows the first
+        # draft that is its opening token (row 0 when it has opened)
+        first = 0 if self.waiting_for is None else next(
+            (j for j in range(1, n_rows) if block[j] == self.waiting_for), n_rows)
+        if matcher is not None and not matcher.is_terminated() and first < n_rows:
+            rows = n_rows - first
+            if rows == 1:
+                matcher.fill_next_token_bitmask(out[first:], 0)
             else:  # the draft chain as a tree: node j's child is j + 1 (node 0: the anchor)
-                nxt = torch.arange(1, n_rows + 1)
+                nxt = torch.arange(1, rows + 1)
                 nxt[-1] = -1
-                matcher.traverse_draft_tree(nxt, torch.full((n_rows,), -1),
-                                            torch.tensor(block, dtype=torch.long), out)
+                matcher.traverse_draft_tree(nxt, torch.full((rows,), -1),
+                                            torch.tensor(block[first:], dtype=torch.long),
+                                            out[first:])
         words = out.numpy()
         if self.static_mask is not None:
             words &= self.static_mask
@@ -158,6 +167,11 @@ class SeqControls:
                                    torch.ones(len(tokens), dtype=torch.int32, device=dev),
                                    accumulate=True)
         matcher = self.matcher()
+        if self.waiting_for is not None:
+            if self.waiting_for not in tokens:
+                return
+            tokens = tokens[tokens.index(self.waiting_for) + 1:]
+            self.waiting_for = None
         if matcher is not None:
             for t in tokens:
                 if matcher.is_terminated():
@@ -183,7 +197,12 @@ class SeqControls:
             matcher = None
         out: list[int] = []
         walked = 0
+        opened = self.waiting_for is None
         for j, cands in enumerate(candidates):
+            if not opened:  # free until the grammar's opening token
+                out.append(cands[0])
+                opened = cands[0] == self.waiting_for
+                continue
             pick = None
             if matcher is not None and not matcher.is_terminated():
                 pick = next((t for t in cands if self.allows(t) and matcher.accept_token(t)),

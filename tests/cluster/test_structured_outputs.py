@@ -41,6 +41,7 @@ TAG = {"type": "structural_tag", "format": {
         "begin": "<", "end": ">", "content": {
             "type": "json_schema",
             "json_schema": {"type": "integer", "minimum": 0, "maximum": 99}}}]}}
+OPENS = 121
 PROMPTS = ["To make bread, mix", "The library opens at", "On the far bank, a man",
            "A heron stood in the", "Students come to read", "The oldest book in"]
 
@@ -71,6 +72,10 @@ def requests() -> list[tuple[list[int], SamplingParams]]:
         (ids[1], constrained(grammar=GrammarSpec("structural_tag", json.dumps(TAG)),
                              max_tokens=24, logit_bias=((TOKENIZER.convert_tokens_to_ids("<"),
                                                          8.0),))),
+        # free until token OPENS (as after a reasoning model's </think>; the free greedy
+        # continuation of this prompt has it 5th), then three digits
+        (ids[2], constrained(grammar=GrammarSpec("regex", "[0-9]{3}", starts_after=OPENS),
+                             max_tokens=40)),
     ]
 
 
@@ -119,6 +124,11 @@ def test_constrained_outputs_are_valid(target_only):
             assert tags and all(re.fullmatch(r"-?(0|[1-9][0-9]*)", t) for t in tags), s
             continue
         assert out.finish_reason == "stop" and out.output_ids[-1] == EOS, (g, out)
+        if g.starts_after is not None:
+            ids = out.output_ids
+            opened = ids.index(g.starts_after) + 1
+            assert opened == 5 and re.fullmatch(g.value, text(ids[opened:])), ids
+            continue
         if g.kind == "json":
             jsonschema.validate(json.loads(s), SCHEMA)
         elif g.kind == "regex":

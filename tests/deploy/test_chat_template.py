@@ -95,9 +95,11 @@ def test_only_the_templates_own_variables_pass(tokenizer, kwargs, param):
 
 
 def test_enable_thinking_passes_everywhere_and_the_templates_variables_too(tokenizer):
-    plain = template(tokenizer)  # the demo's ChatML template reads no variable of its own
-    assert plain.allowed_kwargs() == {"enable_thinking"}
-    assert plain.ids(MESSAGES, True, {"enable_thinking": False}) == plain.ids(MESSAGES, True)
+    plain = template(tokenizer)  # Qwen3.5's: its inputs, not the names it sets itself
+    assert plain.allowed_kwargs() == {"enable_thinking", "add_vision_id"}
+    quiet = plain.render(MESSAGES, True, {"enable_thinking": False})
+    assert quiet.endswith("<think>\n\n</think>\n\n")
+    assert plain.render(MESSAGES, True).endswith("assistant\n<think>\n")
     custom = template(tokenizer, "{{ messages[0].content }}{{ flavour }}")
     assert custom.allowed_kwargs() == {"enable_thinking", "flavour"}
     assert custom.render(MESSAGES, True, {"flavour": "!"}) == "Be brief.!"

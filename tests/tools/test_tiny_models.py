@@ -171,24 +171,33 @@ def test_transformers_reads_published_like_per_expert(tiny_models):
 # --------------------------------------------------------------------------------------------
 
 
-def test_tokenizer_round_trips_and_renders_chatml(tiny_models):
+def test_tokenizer_round_trips_and_renders_qwen3_5s_template(tiny_models):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_models / "target")
-    assert len(tok) == 320
-    ids = tm.special_token_ids()
+    assert len(tok) == 326
+    ids, tags = tm.special_token_ids(), tm.tag_token_ids()
     assert tok.convert_tokens_to_ids(list(ids)) == list(ids.values())
+    assert tok.convert_tokens_to_ids(list(tags)) == list(tags.values())
     assert tok.eos_token_id == ids["<|im_end|>"] and tok.pad_token_id == ids["<|endoftext|>"]
     for text in ["Hello, world!", "  two  spaces\n\nand lines", "naïve café ☕ 12345", "x" * 50]:
         assert tok.decode(tok.encode(text)) == text
+    # the tags are single tokens that decoding keeps, as in Qwen's tokenizer
+    tagged = "<think>\nhm</think>\n\n<tool_call>\n<function=f>"
+    assert tok.encode("</think>") == [tags["</think>"]]
+    assert tok.decode(tok.encode(tagged), skip_special_tokens=True) == tagged
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-        "<|im_start|>assistant\n"
+        "<|im_start|>assistant\n<think>\n"
     )
+    quiet = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                    enable_thinking=False)
+    assert quiet.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     encoded = tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     assert encoded[0] == ids["<|im_start|>"] and encoded.count(ids["<|im_end|>"]) == 2
+    assert encoded[-2:] == [tags["<think>"], tok.encode("\n")[0]]
 
 
 # --------------------------------------------------------------------------------------------

@@ -157,3 +157,37 @@ def test_a_grammars_block_masks_are_the_matchers_step_by_step():
     again = torch.full((1, V // 32), -1, dtype=torch.int32)
     c.fill_masks([a], again)
     assert torch.equal(again[0], out[0])
+
+
+def test_a_grammar_that_starts_after_a_token_is_free_until_it_is_generated():
+    """starts_after (a reasoning model's </think>): rows before the opening draft are free,
+    the rows after it are the matcher's from its start; committed tokens before the opening
+    token do not advance the matcher; the draft's proposal is free up to it."""
+    import xgrammar as xgr
+
+    tok = load_tokenizer(str(DEMO_TARGET))
+    env = ControlsEnv.for_checkpoint(str(DEMO_TARGET), V, "cpu")
+    end = tok.convert_tokens_to_ids("</think>")
+    spec = GrammarSpec("regex", "(ab|cd)+e", starts_after=end)
+    c = SeqControls(env, SamplingParams(grammar=spec), [1, 2], EOS)
+    a, b, cc, d, z = (tok.convert_tokens_to_ids(x) for x in "abcdz")
+    c.commit([z, z])  # reasoning: the grammar waits
+    block = [z, z, end, a, b, cc]
+    out = torch.full((len(block), V // 32), -1, dtype=torch.int32)
+    c.fill_masks(block, out)
+    assert (out[:2] == -1).all()  # the rows predicting d1 (z) and d2 (</think>)
+    ref = env.grammars().matcher(env.grammars().compile(spec), EOS)
+    want = xgr.allocate_token_bitmask(4, V)  # after </think>, then after a, b, cd
+    for j, t in enumerate([a, b, cc, None]):
+        ref.fill_next_token_bitmask(want, j)
+        if t is not None:
+            assert ref.accept_token(t)
+    assert torch.equal(out[2:], want) and not (out[2] == -1).all()
+    # the proposal: top candidates until </think>, then the best legal ones
+    assert c.constrain_proposal([[z, a], [end, a], [z, cc], [z, d]]) == [z, end, cc, d]
+    assert c.waiting_for == end  # nothing committed yet
+    c.commit([z, end, a])  # the grammar opens and takes "a"
+    assert c.waiting_for is None
+    row = torch.full((1, V // 32), -1, dtype=torch.int32)
+    c.fill_masks([a], row)
+    assert torch.equal(row[0], want[1])
