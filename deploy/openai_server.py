@@ -61,6 +61,9 @@ from deploy.tool_calls import (
 # A text prompt of more characters than the context × this cannot fit and is refused before
 # it is tokenized (tokenizing megabytes takes seconds); also the chat template's output limit.
 MAX_CHARS_PER_TOKEN = 64
+# With parallel_tool_calls false and tool_choice auto, generation stops where the first call
+# ends (the parsers read a call cut there as complete)
+ONE_CALL_ENDS = "</tool_call>"
 
 
 def openai_stream_error(err: RequestError) -> str:
@@ -316,8 +319,11 @@ class OpenAIServer:
         # Every choice admitted at once, or none (429 at once when they do not fit). Not
         # under unless_disconnected: its streams would be lost with a disconnect that came
         # as they were returned; a cancellation while it runs aborts them itself.
+        stops = req.stop_strings
+        if chat and req.parallel_tool_calls is False and req.effective_tool_choice == "auto":
+            stops = [*stops, ONE_CALL_ENDS]  # the model may call one tool: stop after it
         streams = await self.client.generate_many([w for w, _, _ in wanted])
-        gens += [Generation(stream, ids, TextStream(self.tokenizer, req.stop_strings),
+        gens += [Generation(stream, ids, TextStream(self.tokenizer, stops),
                             w.timing, echo_only=echo_only)
                  for stream, (w, ids, echo_only) in zip(streams, wanted, strict=True)]
         for i, g in enumerate(gens):

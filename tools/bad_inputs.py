@@ -137,6 +137,27 @@ def catalogue(model: str) -> list[tuple[str, str, bytes] | tuple[str, str, bytes
         ("a gzip body", comp, gzip.compress(body({"model": model, "prompt": "hi"})),
          {"content-encoding": "gzip"}),
     ]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}}}}
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]
+    for name, extra in [
+        ("tool_choice naming no tool", {"tools": [tool], "tool_choice": {
+            "type": "function", "function": {"name": "g"}}}),
+        ("tool_choice required without tools", {"tool_choice": "required"}),
+        ("a tool whose schema does not compile", {"tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}),
+        ("a tool name with a newline", {"tools": [{"type": "function", "function": {
+            "name": "f>\n<x"}}], "tool_choice": "none"}),
+        ("a tool message answering no call", {"messages": [
+            *user, {"role": "tool", "tool_call_id": "nope", "content": "x"}]}),
+        ("tool call arguments that are not JSON", {"messages": [
+            *user, {"role": "assistant", "tool_calls": calls}]}),
+        ("20,000 tools", {"tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                                    for i in range(20_000)], "tool_choice": "none"}),
+    ]:
+        cases.append((name, chat, body({"model": model, "messages": user, "max_tokens": 4,
+                                        **extra})))
     return cases
 
 

@@ -36,7 +36,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-THINK_END = 323  # </think> in the demo tokenizer
+THINK_END = 323  # </think> in the demo tokenizer (</tool_call> is 321)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +152,14 @@ def test_auto_tool_choice_needs_the_servers_parser(server, oai):
         r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8,
                                         temperature=0, extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length" and r.choices[0].message.content
+        # parallel_tool_calls false: generation stops where the first call ends (here at
+        # once: </tool_call> made likely)
+        ends = {"logit_bias": {str(THINK_END - 2): 50}, "max_tokens": 8, "temperature": 0}
+        r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                        parallel_tool_calls=False, **ends)
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+        r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, **ends)
+        assert r.choices[0].finish_reason == "length"
     # tool_choice none: the tools are in the prompt, nothing is parsed
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
                                     max_tokens=4, temperature=0)
