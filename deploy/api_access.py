@@ -1,5 +1,5 @@
-"""Who may call the API: the API key (a Bearer token on every route but /health and
-/version) and CORS, as vLLM's flags set them."""
+"""Who may call the API: the API key (a Bearer token, or Anthropic's `x-api-key` header, on
+every route but /health and /version) and CORS, as vLLM's flags set them."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from deploy.protocol import RequestError
 
 @dataclass(frozen=True)
 class ApiOptions:
-    """Access to the API: `api_key` (None: open) is required as a Bearer token on every route
-    but /health and /version (load balancers and probes); CORS as in vLLM's flags, every
-    origin allowed by default (a browser cannot send the key to another origin unless listed
-    here, or with "*"); `trust_request_chat_template`: requests may bring their own chat
-    template (vLLM's --trust-request-chat-template; the server's only, by default)."""
+    """Access to the API: `api_key` (None: open) is required as a Bearer token (or in
+    `x-api-key`, as Anthropic's clients send it) on every route but /health and /version
+    (load balancers and probes); CORS as in vLLM's flags, every origin allowed by default
+    (a browser cannot send the key to another origin unless listed here, or with "*");
+    `trust_request_chat_template`: requests may bring their own chat template (vLLM's
+    --trust-request-chat-template; the server's only, by default)."""
 
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ("*",)
@@ -53,9 +54,11 @@ class RequireKey:
                 and scope["path"] not in OPEN_PATHS):
             headers = {k.lower(): v for k, v in scope["headers"]}
             got = headers.get(b"authorization", b"").decode("latin-1")
-            if not key_matches(got, self.key):
+            x_key = headers.get(b"x-api-key", b"").decode("latin-1").strip()
+            if not (key_matches(got, self.key) or (x_key and hmac.compare_digest(
+                    x_key.encode(), self.key.encode()))):
                 err = RequestError("invalid or missing API key: send Authorization: Bearer "
-                                   "<key>", None, "invalid_api_key", 401)
+                                   "<key> (or x-api-key: <key>)", None, "invalid_api_key", 401)
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API over any `EngineClient`: /v1/models[/{id}],
-/v1/completions, /v1/chat/completions (JSON or SSE), /tokenize, /detokenize,
-/tokenizer_info (vLLM's), /version, /health, /metrics. With an API key, every route but
-/health and /version needs `Authorization: Bearer <key>`; CORS as configured (ApiOptions,
-deploy/api_access.py).
+/v1/completions, /v1/chat/completions (JSON or SSE), OpenAI's /v1/responses
+(deploy/responses_api.py) and Anthropic's /v1/messages (deploy/messages_api.py) over the chat,
+/tokenize, /detokenize, /tokenizer_info (vLLM's), /version, /health, /metrics. With an API
+key, every route but /health and /version needs `Authorization: Bearer <key>` (or
+`x-api-key: <key>`); CORS as configured (ApiOptions, deploy/api_access.py).
 
 Text lives here, token ids in the engine: prompts are tokenised (chat through the target's
 template), outputs detokenised incrementally, and stop strings cut here (the engine request is
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy import __version__
+from deploy import __version__, messages_api, responses_api
 from deploy.api_access import ApiOptions, add_access
 from deploy.api_errors import as_request_error, public_message
 from deploy.engine_client import EngineClient
@@ -69,6 +70,8 @@ def build_app(client: EngineClient, tokenizer, shutdown_client: bool = False,
     _add_tokenizer_routes(app, client, server, tokenizer)
     _add_version_route(app)
     _add_completion_routes(app, server)
+    messages_api.add_routes(app, server)
+    responses_api.add_routes(app, server)
     _add_health_route(app, client)
     _add_metrics_route(app, client, metrics)
     return app

@@ -10,7 +10,7 @@ Extensions (vLLM's names): `top_k`, `stop_token_ids`, `ignore_eos`, `return_toke
 `guided_json`/`guided_regex`/`guided_choice`/`guided_grammar`). OpenAI fields clients send
 routinely (`user`, and in chat `reasoning_effort`, `metadata`, `service_tier`) are typed and
 accepted without effect;
-`store: true` is refused (docs/API.md).
+`store: true` is refused in chat (docs/API.md).
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ NO_OP = {"length_penalty": 1}
 # vLLM's guided_decoding_backend values that name what serves structured outputs here
 GRAMMAR_BACKENDS = ("auto", "xgrammar")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# OpenAI's values (openai-python's ReasoningEffort): accepted, no effect (Qwen3.5 thinks
-# unless chat_template_kwargs={"enable_thinking": false}).
+# OpenAI's values (openai-python's ReasoningEffort): accepted in chat without effect (Qwen3.5
+# thinks unless chat_template_kwargs={"enable_thinking": false}); /v1/responses maps them.
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # OpenAI's tiers: every request is served the one way, which responses name "default"
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")

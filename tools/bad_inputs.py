@@ -158,6 +158,24 @@ def catalogue(model: str) -> list[tuple[str, str, bytes] | tuple[str, str, bytes
     ]:
         cases.append((name, chat, body({"model": model, "messages": user, "max_tokens": 4,
                                         **extra})))
+    msgs, resp = "/v1/messages", "/v1/responses"
+    image = {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}
+    cases += [
+        ("messages without max_tokens", msgs, body({"model": model, "messages": user})),
+        ("messages with an image block", msgs, body({
+            "model": model, "max_tokens": 4,
+            "messages": [{"role": "user", "content": [image]}]})),
+        ("a tool_result answering no tool_use", msgs, body({
+            "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}]})),
+        ("count_tokens of no JSON", msgs + "/count_tokens", b"{"),
+        ("responses after an unknown response", resp, body({
+            "model": model, "input": "hi", "previous_response_id": "resp_nope"})),
+        ("responses with an image", resp, body({"model": model, "input": [{
+            "role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]})),
+        ("responses with truncation auto", resp, body({"model": model, "input": "hi",
+                                                       "truncation": "auto"})),
+    ]
     return cases
 
 

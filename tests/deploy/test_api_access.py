@@ -97,12 +97,14 @@ def test_api_key_guards_every_route_but_health_and_version(engine_client, tokeni
                                     ("POST", "/v1/completions",
                                      {"prompt": [1, 2], "max_tokens": 2}),
                                     ("POST", "/tokenize", {"prompt": "a"})]:
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"},
+                            {"x-api-key": "wrong"}):
                 r = httpx.request(method, f"{base}{route}", json=body, headers=headers)
                 assert r.status_code == 401, (route, headers)
                 assert r.json()["error"]["code"] == "invalid_api_key"
-            assert httpx.request(method, f"{base}{route}", json=body,
-                                 headers=good).status_code == 200, route
+            for headers in (good, {"x-api-key": "sesame"}):  # (Anthropic's clients: x-api-key)
+                assert httpx.request(method, f"{base}{route}", json=body,
+                                     headers=headers).status_code == 200, route
         assert httpx.get(f"{base}/health").status_code == 200
         assert httpx.get(f"{base}/version").status_code == 200
         # a browser's preflight carries no key: CORS answers it
