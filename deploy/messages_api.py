@@ -248,10 +248,10 @@ def add_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         try:
-            req = await parse_body(CountTokensRequest, await server._body(request))
+            req = await parse_body(CountTokensRequest, await server.body(request))
             server.check_model(req.model)
             chat = chat_request(req)
-            _, ids = await server._chat_prompt(chat.messages, True, chat.chat_template_kwargs,
+            _, ids = await server.chat_prompt(chat.messages, True, chat.chat_template_kwargs,
                                                None, chat.tools)
             return JSONResponse({"input_tokens": len(ids)})
         except Exception as e:

@@ -104,7 +104,7 @@ class OpenAIServer:
 
     # ---- the request ---------------------------------------------------------------------
 
-    async def _body(self, request: Request) -> bytes:
+    async def body(self, request: Request) -> bytes:
         return await read_body(request, self.max_request_bytes)
 
     def _check_chars(self, num_chars: int, param: str) -> None:
@@ -131,7 +131,7 @@ class OpenAIServer:
         it as given); text is tokenized off the event loop (other streams and /health go on
         meanwhile)."""
         if isinstance(req, ChatCompletionRequest):  # with the rendered text (the parsers')
-            text, ids = await self._chat_prompt(req.messages, True, req.chat_template_kwargs,
+            text, ids = await self.chat_prompt(req.messages, True, req.chat_template_kwargs,
                                                 req.chat_template, req.tools)
             return [(ids, text)]
         out = []
@@ -148,7 +148,7 @@ class OpenAIServer:
             out.append((ids, text))
         return out
 
-    async def _chat_prompt(self, messages, add_generation_prompt: bool,
+    async def chat_prompt(self, messages, add_generation_prompt: bool,
                            template_kwargs: dict | None, template: str | None,
                            tools=None) -> tuple[str, list[int]]:
         """Chat messages (and tools) through the chat template (off the event loop), within
@@ -201,10 +201,10 @@ class OpenAIServer:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            req = await parse_body(TokenizeRequest, await self._body(request))
+            req = await parse_body(TokenizeRequest, await self.body(request))
             self.check_model(req.model)
             if req.messages is not None:
-                _, ids = await self._chat_prompt(req.messages, req.add_generation_prompt,
+                _, ids = await self.chat_prompt(req.messages, req.add_generation_prompt,
                                                  req.chat_template_kwargs, req.chat_template,
                                                  req.tools)
             else:
@@ -222,7 +222,7 @@ class OpenAIServer:
             # a list longer than the context is refused before it is parsed: a comma per id
             # is counted in a few milliseconds, parsing millions of ids takes seconds
             context = self.client.max_model_len
-            raw = await self._body(request)
+            raw = await self.body(request)
             if raw.count(b",") >= context:
                 raise RequestError(f"tokens: more ids than the context holds ({context})",
                                    "tokens")
@@ -260,7 +260,7 @@ class OpenAIServer:
         gens: list[Generation] = []
         streaming = False  # the response owns the choices from then on
         try:
-            job = await make_job(await self._body(request))
+            job = await make_job(await self.body(request))
             req = job.req
             request_id, echoes = await self.start(req, request, job.id_prefix, gens)
             if req.stream:
