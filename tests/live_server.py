@@ -73,6 +73,20 @@ def demo_api(model_name: str = DEMO_MODEL, wrap: Callable | None = None,
         client.close()
 
 
+@contextmanager
+def parsing(server: dict, **kw) -> Iterator[None]:
+    """A demo_api server's reasoning and tool-call parsers (ChatParsing(**kw)) for the length
+    of a block: the modules that need them share one server."""
+    from deploy.tool_calls import ChatParsing
+
+    api = server["server"]
+    before, api.parsing = api.parsing, ChatParsing(**kw)
+    try:
+        yield
+    finally:
+        api.parsing = before
+
+
 def scrape_metrics(base_url: str, timeout: float = 30,
                    model_name: bool = False) -> dict[tuple[str, tuple], float]:
     """/metrics as {(sample name, sorted label pairs): value}; the `model_name` label every

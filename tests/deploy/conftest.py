@@ -15,6 +15,14 @@ def server():
         yield s
 
 
+@pytest.fixture(scope="session")
+def long_server():
+    """The demo pair with a 4,096-token context (Qwen3.5's tool-calling prompt alone is ~1,000
+    of the demo tokenizer's tokens), shared by the tool-call, Responses and Messages tests."""
+    with demo_api(max_model_len=4096) as s:
+        yield s
+
+
 @pytest.fixture(scope="module")
 def oai(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="x", max_retries=0)

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import json
 import re
-from contextlib import contextmanager
 
 import anthropic
 import httpx2 as httpx
 import jsonschema
 import pytest
-from live_server import DEMO_MODEL, demo_api
+from live_server import DEMO_MODEL, parsing
 
 from deploy.chat_parsers import ChatOutputParser
 from deploy.messages_api import ContentBlocks, anthropic_error, stream_error
 from deploy.messages_protocol import MessagesRequest, chat_request
 from deploy.protocol import RequestError
-from deploy.tool_calls import ChatParsing
 
 MODEL = DEMO_MODEL
 GREEDY = {"temperature": 0}
@@ -45,25 +43,13 @@ NO_THINKING = {"type": "disabled"}
 
 
 @pytest.fixture(scope="module")
-def server():
-    with demo_api(max_model_len=4096) as s:
-        yield s
+def server(long_server):
+    return long_server
 
 
 @pytest.fixture(scope="module")
 def claude(server) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server["url"], api_key="x", max_retries=0)
-
-
-@contextmanager
-def parsing(server, **kw):
-    """The server's parsers for the length of a test (the module shares one server)."""
-    api = server["server"]
-    before, api.parsing = api.parsing, ChatParsing(**kw)
-    try:
-        yield
-    finally:
-        api.parsing = before
 
 
 def view(message) -> dict:

@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import contextmanager
 
 import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
-from live_server import DEMO_MODEL, demo_api
+from live_server import DEMO_MODEL, parsing
 from openai.types.responses import Response, ResponseFailedEvent, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from deploy.protocol import RequestError
 from deploy.response_store import ResponseStore
 from deploy.responses_api import _Call
-from deploy.tool_calls import ChatParsing
 
 MODEL = DEMO_MODEL
 WEATHER = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
@@ -50,20 +48,8 @@ RANK = {"type": "object", "additionalProperties": False, "required": ["rank"],
 
 
 @pytest.fixture(scope="module")
-def server():
-    with demo_api(max_model_len=4096) as s:
-        yield s
-
-
-@contextmanager
-def parsing(server, **kw):
-    """The server's parsers for the length of a test (the module shares one server)."""
-    api = server["server"]
-    before, api.parsing = api.parsing, ChatParsing(**kw)
-    try:
-        yield
-    finally:
-        api.parsing = before
+def server(long_server):
+    return long_server
 
 
 def comparable(response) -> dict:

@@ -12,16 +12,13 @@ here, the server's plumbing around them."""
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 
 import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
-from live_server import DEMO_MODEL, demo_api
+from live_server import DEMO_MODEL, parsing
 from openai.lib.streaming.chat import ChatCompletionStreamState
-
-from deploy.tool_calls import ChatParsing
 
 MODEL = DEMO_MODEL
 WEATHER = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
@@ -40,20 +37,8 @@ THINK_END = 323  # </think> in the demo tokenizer (</tool_call> is 321)
 
 
 @pytest.fixture(scope="module")
-def server():
-    with demo_api(max_model_len=4096) as s:
-        yield s
-
-
-@contextmanager
-def parsing(server, **kw):
-    """The server's parsers for the length of a test (the module shares one server)."""
-    api = server["server"]
-    before, api.parsing = api.parsing, ChatParsing(**kw)
-    try:
-        yield
-    finally:
-        api.parsing = before
+def server(long_server):
+    return long_server
 
 
 def streamed(oai: openai.OpenAI, **kw):
