@@ -50,6 +50,16 @@ def test_serve_args_errors_name_the_field(tiny_demo):
     assert ServeArgs(model=target, speculative_dflash_block_size=4,
                      speculative_num_draft_tokens=3).block_size == 4
     assert ServeArgs(model=target, speculative_num_draft_tokens=3).block_size == 4
+    # the parsers: known names; auto tool choice needs a tool parser (as vLLM)
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        ServeArgs(model=target, reasoning_parser="deepseek_r9")
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ServeArgs(model=target, tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="enable_auto_tool_choice needs a tool_call_parser"):
+        ServeArgs(model=target, enable_auto_tool_choice=True)
+    parsing = ServeArgs(model=target, reasoning_parser="qwen3", enable_auto_tool_choice=True,
+                        tool_call_parser="hermes").chat_parsing()
+    assert (parsing.reasoning_parser, parsing.tool_call_parser) == ("qwen3", "hermes")
 
 
 def test_memory_share_reaches_the_engine(tiny_demo):
