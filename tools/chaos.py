@@ -13,6 +13,9 @@ Ray cluster), each printing and writing its figures as JSON (docs/RELIABILITY.md
     python -m tools.chaos soak     [--duration 1200]   # mixed load, cancels, periodic kills
     common: [--model DIR --draft-model DIR --tp 2 --device cpu --api-key KEY --out result.json]
 
+main_result() can also run one against a server already started (tests/tools/test_chaos.py's
+runs share one).
+
 A stream's ending is one of: "finished" (finish_reason, then [DONE]), "error:<code>" (an
 error event, then [DONE]), "http:<status>" (refused before streaming), "cut" (the connection
 ended without [DONE]: the failure these runs look for), "cancelled" (closed by us)."""
@@ -312,8 +315,7 @@ async def streams_under_way(c: httpx.AsyncClient, url: str, n: int) -> list[asyn
 
 # ---- runs -----------------------------------------------------------------------------------
 
-async def run_drain(args) -> dict:
-    server = Server(args, grace=args.grace)
+async def run_drain(args, server: Server) -> dict:
     async with httpx.AsyncClient(timeout=300) as c:
         started = [asyncio.Event() for _ in range(8)]
         tasks = [asyncio.create_task(stream(c, server.url, prompt(20, i), 40 if i < 4 else 900,
@@ -353,8 +355,7 @@ async def proxy_routes(url: str) -> dict:
                 for path in ("/-/routes", "/-/healthz")}
 
 
-async def run_kill(args) -> dict:
-    server = Server(args)
+async def run_kill(args, server: Server) -> dict:
     out = {"second_server_on_the_port": second_server(args, server.port),
            "listening_beyond_loopback": [
                sock for sock in listening(server.descendants())
@@ -362,30 +363,27 @@ async def run_kill(args) -> dict:
                and sock["address"] != "::1"]}
     if args.api_key:
         out["proxy_routes"] = await proxy_routes(server.url)
-    try:
-        for role in args.roles:
-            async with httpx.AsyncClient(timeout=300) as c:
-                tasks = await streams_under_way(c, server.url, args.streams)
-                t = await asyncio.to_thread(kill, server, role)
-                health_task = asyncio.create_task(recovered_after(server.url, t))
-                await asyncio.sleep(0.5)
-                during = [asyncio.create_task(stream(c, server.url, prompt(8, 100 + i), 16))
-                          for i in range(8)]
-                results = await asyncio.gather(*tasks)
-                ended = max(r["t1"] for r in results) - t
-                health = await health_task
-                during = await asyncio.gather(*during)
-                after = await asyncio.gather(*(stream(c, server.url, prompt(8, 200 + i), 16)
-                                               for i in range(args.streams)))
-            out[role] = {"in_flight": endings(results), "all_ended_within_s": ended,
-                         "health_back_s": health,
-                         "sent_during_recovery": endings(during),
-                         "sent_after": endings(after)}
-            print(role, json.dumps(out[role]), flush=True)
-        out["raylet"] = await raylet_death(server, args.streams)
-        print("raylet", json.dumps(out["raylet"]), flush=True)
-    finally:
-        server.stop()
+    for role in args.roles:
+        async with httpx.AsyncClient(timeout=300) as c:
+            tasks = await streams_under_way(c, server.url, args.streams)
+            t = await asyncio.to_thread(kill, server, role)
+            health_task = asyncio.create_task(recovered_after(server.url, t))
+            await asyncio.sleep(0.5)
+            during = [asyncio.create_task(stream(c, server.url, prompt(8, 100 + i), 16))
+                      for i in range(8)]
+            results = await asyncio.gather(*tasks)
+            ended = max(r["t1"] for r in results) - t
+            health = await health_task
+            during = await asyncio.gather(*during)
+            after = await asyncio.gather(*(stream(c, server.url, prompt(8, 200 + i), 16)
+                                           for i in range(args.streams)))
+        out[role] = {"in_flight": endings(results), "all_ended_within_s": ended,
+                     "health_back_s": health,
+                     "sent_during_recovery": endings(during),
+                     "sent_after": endings(after)}
+        print(role, json.dumps(out[role]), flush=True)
+    out["raylet"] = await raylet_death(server, args.streams)
+    print("raylet", json.dumps(out["raylet"]), flush=True)
     return out
 
 
@@ -416,10 +414,9 @@ async def raylet_death(server: Server, num_streams: int) -> dict:
             "message": said[0][:300] if said else rest[-300:]}
 
 
-async def run_freeze(args) -> dict:
+async def run_freeze(args, server: Server) -> dict:
     """SIGSTOP of a TP worker, then of the driver, with streams open: the streams end with an
     error, /health answers 503 meanwhile (never hangs), the engine comes back."""
-    server = Server(args)
     out, stopped = {}, []
     try:
         for role in ("worker", "driver"):
@@ -448,42 +445,37 @@ async def run_freeze(args) -> dict:
         for pid in stopped:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGCONT)
-        server.stop()
     return out
 
 
-async def run_abandon(args) -> dict:
+async def run_abandon(args, server: Server) -> dict:
     """`--requests` requests at once (streamed or not, n 1 or 4), each abandoned by its
     client at a random moment 0–1.5 s after it was sent (queued, prefilling, decoding): how
     many still run afterwards, and until when."""
-    server = Server(args)
     rng = random.Random(2)
-    try:
-        limits = httpx.Limits(max_connections=args.requests + 10)
-        async with httpx.AsyncClient(timeout=300, limits=limits) as c:
-            async def one(i: int) -> None:
-                body = {"model": MODEL, "prompt": prompt(20, 500 + i), "max_tokens": 900,
-                        "ignore_eos": True, "stream": rng.random() < 0.5,
-                        "n": rng.choice([1, 1, 4])}
-                task = asyncio.create_task(c.post(f"{server.url}/v1/completions", json=body,
-                                                  headers=HEADERS))
-                await asyncio.sleep(rng.uniform(0.0, 1.5))
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+    limits = httpx.Limits(max_connections=args.requests + 10)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+        async def one(i: int) -> None:
+            body = {"model": MODEL, "prompt": prompt(20, 500 + i), "max_tokens": 900,
+                    "ignore_eos": True, "stream": rng.random() < 0.5,
+                    "n": rng.choice([1, 1, 4])}
+            task = asyncio.create_task(c.post(f"{server.url}/v1/completions", json=body,
+                                              headers=HEADERS))
+            await asyncio.sleep(rng.uniform(0.0, 1.5))
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
-            before = await engine_counts(server.url)
-            await asyncio.gather(*(one(i) for i in range(args.requests)))
-        t = time.monotonic()
-        samples = []
-        while time.monotonic() - t < 120:
-            counts = await engine_counts(server.url)
-            samples.append((time.monotonic() - t, counts["running"] + counts["waiting"]))
-            if samples[-1][1] == 0:
-                break
-            await asyncio.sleep(0.1)
-    finally:
-        server.stop()
+        before = await engine_counts(server.url)
+        await asyncio.gather(*(one(i) for i in range(args.requests)))
+    t = time.monotonic()
+    samples = []
+    while time.monotonic() - t < 120:
+        counts = await engine_counts(server.url)
+        samples.append((time.monotonic() - t, counts["running"] + counts["waiting"]))
+        if samples[-1][1] == 0:
+            break
+        await asyncio.sleep(0.1)
     ended = {how: counts[f"ended_by_{how}"] - before[f"ended_by_{how}"]
              for how in ("stop", "length", "abort", "error")}
     return {"requests": args.requests, "idle_after_s": samples[-1][0],
@@ -491,53 +483,44 @@ async def run_abandon(args) -> dict:
             "engine_requests_ended": ended}
 
 
-async def run_overload(args) -> dict:
+async def run_overload(args, server: Server) -> dict:
     """Three requests of n = 256 at once, against a queue of 4 × max-num-seqs: each is served
     or refused, and a refusal comes at once."""
-    server = Server(args)
-    try:
-        async with httpx.AsyncClient(timeout=600) as c:
-            async def one(i: int) -> dict:
-                t = time.monotonic()
-                r = await c.post(f"{server.url}/v1/completions", headers=HEADERS, json={
-                    "model": MODEL, "prompt": prompt(10, 700 + i), "max_tokens": 64, "n": 256,
-                    "ignore_eos": True})
-                return {"status": r.status_code, "seconds": time.monotonic() - t,
-                        "code": r.json().get("error", {}).get("code") if r.status_code != 200
-                        else None}
+    async with httpx.AsyncClient(timeout=600) as c:
+        async def one(i: int) -> dict:
+            t = time.monotonic()
+            r = await c.post(f"{server.url}/v1/completions", headers=HEADERS, json={
+                "model": MODEL, "prompt": prompt(10, 700 + i), "max_tokens": 64, "n": 256,
+                "ignore_eos": True})
+            return {"status": r.status_code, "seconds": time.monotonic() - t,
+                    "code": r.json().get("error", {}).get("code") if r.status_code != 200
+                    else None}
 
-            results = await asyncio.gather(*(one(i) for i in range(3)))
-            after = await stream(c, server.url, prompt(8, 800), 8)
-    finally:
-        server.stop()
+        results = await asyncio.gather(*(one(i) for i in range(3)))
+        after = await stream(c, server.url, prompt(8, 800), 8)
     return {"requests": results, "served": sum(r["status"] == 200 for r in results),
             "refused": sum(r["status"] == 429 for r in results), "after": after["ending"]}
 
 
-async def run_big(args) -> dict:
-    server = Server(args)
-    try:
-        async with httpx.AsyncClient(timeout=300) as c:
-            started = [asyncio.Event() for _ in range(4)]
-            tasks = [asyncio.create_task(stream(c, server.url, prompt(10, i), 600,
-                                                started=started[i])) for i in range(4)]
-            await asyncio.gather(*(e.wait() for e in started))
-            await asyncio.sleep(3.0)
-            if args.payload == "detokenize":  # 3 M ids: 15 MB, within the body limit
-                path = "/detokenize"
-                body = json.dumps({"model": MODEL,
-                                   "tokens": [100 + i % 200 for i in range(3_000_000)]})
-            else:
-                path = "/v1/completions"
-                body = json.dumps({"model": MODEL, "prompt": "a" * (20 << 20),
-                                   "max_tokens": 4})
-            t = time.monotonic()
-            r = await c.post(f"{server.url}{path}", content=body,
-                             headers={"Content-Type": "application/json", **HEADERS})
-            big_s, t_end = time.monotonic() - t, time.monotonic()
-            results = await asyncio.gather(*tasks)
-    finally:
-        server.stop()
+async def run_big(args, server: Server) -> dict:
+    async with httpx.AsyncClient(timeout=300) as c:
+        started = [asyncio.Event() for _ in range(4)]
+        tasks = [asyncio.create_task(stream(c, server.url, prompt(10, i), 600,
+                                            started=started[i])) for i in range(4)]
+        await asyncio.gather(*(e.wait() for e in started))
+        await asyncio.sleep(3.0)
+        if args.payload == "detokenize":  # 3 M ids: 15 MB, within the body limit
+            path = "/detokenize"
+            body = json.dumps({"model": MODEL,
+                               "tokens": [100 + i % 200 for i in range(3_000_000)]})
+        else:
+            path = "/v1/completions"
+            body = json.dumps({"model": MODEL, "prompt": "a" * (20 << 20), "max_tokens": 4})
+        t = time.monotonic()
+        r = await c.post(f"{server.url}{path}", content=body,
+                         headers={"Content-Type": "application/json", **HEADERS})
+        big_s, t_end = time.monotonic() - t, time.monotonic()
+        results = await asyncio.gather(*tasks)
 
     def gap_stats(lo: float, hi: float) -> dict:
         gaps = []
@@ -557,52 +540,47 @@ async def run_big(args) -> dict:
             "gaps_before": gap_stats(t - 2.5, t), "gaps_during": gap_stats(t, t_end + 0.5)}
 
 
-async def run_soak(args) -> dict:
-    server = Server(args)
+async def run_soak(args, server: Server) -> dict:
     rng = random.Random(0)
     stop_at = time.monotonic() + args.duration
     results: list[dict] = []
     kills: list[dict] = []
-    try:
-        await asyncio.sleep(2.0)
-        rss0, shm0 = server.rss_bytes(), shm_names()
+    await asyncio.sleep(2.0)
+    rss0, shm0 = server.rss_bytes(), shm_names()
 
-        async def client_loop(i: int) -> None:
-            async with httpx.AsyncClient(timeout=300) as c:
-                k = 0
-                while time.monotonic() < stop_at:
-                    n = rng.choice([5, 40, 200, 600])
-                    m = rng.choice([1, 16, 64, 256])
-                    cancel = rng.randrange(1, 8) if rng.random() < 0.2 else None
-                    results.append(await stream(c, server.url, prompt(n, 1000 * i + k), m,
-                                                cancel_after=cancel))
-                    k += 1
+    async def client_loop(i: int) -> None:
+        async with httpx.AsyncClient(timeout=300) as c:
+            k = 0
+            while time.monotonic() < stop_at:
+                n = rng.choice([5, 40, 200, 600])
+                m = min(rng.choice([1, 16, 64, 256]), args.max_tokens)
+                cancel = rng.randrange(1, 8) if rng.random() < 0.2 else None
+                results.append(await stream(c, server.url, prompt(n, 1000 * i + k), m,
+                                            cancel_after=cancel))
+                k += 1
 
-        async def killer() -> None:
-            roles = ["worker", "draft"]
-            j = 0
-            while time.monotonic() + args.kill_every < stop_at:
-                await asyncio.sleep(args.kill_every)
-                role = roles[j % 2]
-                at = await asyncio.to_thread(kill, server, role)
-                kills.append({"role": role, "at_s": args.duration - (stop_at - at),
-                              "health_back_s": await recovered_after(server.url, at)})
-                j += 1
+    async def killer() -> None:
+        roles = ["worker", "draft"]
+        j = 0
+        while time.monotonic() + args.kill_every < stop_at:
+            await asyncio.sleep(args.kill_every)
+            role = roles[j % 2]
+            at = await asyncio.to_thread(kill, server, role)
+            kills.append({"role": role, "at_s": args.duration - (stop_at - at),
+                          "health_back_s": await recovered_after(server.url, at)})
+            j += 1
 
-        await asyncio.gather(killer(), *(client_loop(i) for i in range(args.clients)))
-        await wait_health(server.url, 120)
-        await asyncio.sleep(5.0)  # the last aborts settle
-        rss1, shm1 = server.rss_bytes(), shm_names()
-    finally:
-        server.stop()
+    await asyncio.gather(killer(), *(client_loop(i) for i in range(args.clients)))
+    await wait_health(server.url, 120)
+    await asyncio.sleep(5.0)  # the last aborts settle
+    rss1, shm1 = server.rss_bytes(), shm_names()
     return {"duration_s": args.duration, "clients": args.clients, "requests": len(results),
             "endings": endings(results), "kills": kills,
             "rss_start_gib": rss0 / 2**30, "rss_end_gib": rss1 / 2**30,
-            "dev_shm_start": shm0, "dev_shm_end": shm1, "dev_shm_after_exit": shm_names()}
+            "dev_shm_start": shm0, "dev_shm_end": shm1}
 
 
-def main_result(argv: list[str] | None = None) -> dict:
-    """Runs what argv says; its result (also printed, and written to --out)."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", choices=["drain", "kill", "freeze", "abandon", "overload", "big",
                                    "soak"])
@@ -619,19 +597,40 @@ def main_result(argv: list[str] | None = None) -> dict:
     p.add_argument("--duration", type=float, default=1200.0, help="soak: seconds")
     p.add_argument("--clients", type=int, default=12, help="soak: concurrent clients")
     p.add_argument("--kill-every", type=float, default=240.0, help="soak: seconds")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="soak: the longest completion (each is 1, 16, 64 or 256 tokens, cut "
+                        "to this)")
     p.add_argument("--requests", type=int, default=200, help="abandon: requests")
     p.add_argument("--payload", choices=["completion", "detokenize"], default="completion",
                    help="big: a 20 MB completion, or a /detokenize of 3 M ids (15 MB)")
     p.add_argument("--api-key", help="serve with this API key (kill: also checks Ray Serve's "
                                      "own routes for it)")
     p.add_argument("--out")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main_result(argv: list[str] | None = None, server: Server | None = None) -> dict:
+    """Runs what argv says; its result (also printed, and written to --out). On `server` if
+    given (started with argv's flags), which stays up unless the run ends it (kill's raylet
+    death, drain's SIGTERM); else on one started here and stopped after. Once the server has
+    exited, the result says what /dev/shm holds of ours."""
+    args = parse_args(argv)
     HEADERS.clear()
     if args.api_key:
         HEADERS["Authorization"] = f"Bearer {args.api_key}"
     runs = {"drain": run_drain, "kill": run_kill, "freeze": run_freeze, "abandon": run_abandon,
             "overload": run_overload, "big": run_big, "soak": run_soak}
-    result = {"run": args.run, "args": vars(args), **asyncio.run(runs[args.run](args))}
+    own = server is None
+    if own:
+        server = Server(args, grace=args.grace if args.run == "drain" else 30.0)
+    try:
+        result = {"run": args.run, "args": vars(args),
+                  **asyncio.run(runs[args.run](args, server))}
+    finally:
+        if own:
+            server.stop()
+    if server.proc.poll() is not None:
+        result["dev_shm_after_exit"] = shm_names()
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -49,14 +49,39 @@ def reference():
     return prompts, params, [o.output_ids for o in outs]
 
 
+def assert_equals_target_only(cluster: RayEngineCluster, reference, tp: int, draft: bool,
+                              use_gpu: bool = False, placement: str = "colocated",
+                              channel: str = "auto") -> list:
+    """The cluster's greedy tokens are the in-process target-only engine's; its control
+    channel, bundles and the draft's GPU share are what the placement asks. Returns the
+    outputs."""
+    import ray
+
+    prompts, params, want = reference
+    assert cluster.channel_kind == ("shm" if channel == "auto" else channel)
+    outs = cluster.engine.generate(prompts, params)
+    assert [o.output_ids for o in outs] == want
+    if draft:
+        assert cluster.engine.stats.accepted_at[0] > 0
+    bundles = cluster.pg.bundle_specs
+    assert len(bundles) == tp + (placement == "separate" and draft)
+    if draft and use_gpu:  # the draft's GPU share: half of rank 0's, or one of its own
+        draft_gpu = ray.get(cluster.draft.__ray_call__.remote(lambda self: ray.get_gpu_ids()))
+        shared = ray.get(cluster.workers[0].__ray_call__.remote(
+            lambda self: ray.get_gpu_ids()))
+        assert (draft_gpu == shared) == (placement == "colocated")
+    return outs
+
+
 # use_gpu: the GPU placement ({GPU: 1, CPU: 1} bundles, draft and rank 0 on half a GPU each,
 # or the draft on a whole one in an extra bundle) exercised with the session cluster's fake
 # GPUs; the computation stays on CPU. "separate": aux features over the gloo pair. "tcp": the
-# control channel as it runs when the actors are not on one node.
+# control channel as it runs when the actors are not on one node. Each cluster start costs
+# 10–40 s on a 2-core box, so three more cases run in the tests below, on their clusters:
+# TP 1 with the draft colocated or separate, on CPU bundles (the aux ring's test), and TP 2
+# with the draft colocated on GPU bundles (the start-up's).
 @pytest.mark.parametrize(("tp", "draft", "use_gpu", "placement", "channel"),
-                         [(1, True, False, "colocated", "auto"),
-                          (1, False, False, "colocated", "auto"),
-                          (2, True, True, "colocated", "auto"),
+                         [(1, False, False, "colocated", "auto"),
                           (2, False, False, "colocated", "auto"),
                           (4, True, False, "colocated", "auto"),
                           (1, True, True, "separate", "auto"),
@@ -64,24 +89,9 @@ def reference():
                           (2, True, False, "colocated", "tcp")])
 def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, draft, use_gpu,
                                                   placement, channel):
-    import ray
-
-    prompts, params, want = reference
     cluster = RayEngineCluster(config(draft, placement, channel), tp, use_gpu=use_gpu)
     try:
-        assert cluster.channel_kind == ("shm" if channel == "auto" else channel)
-        got = [o.output_ids for o in cluster.engine.generate(prompts, params)]
-        assert got == want
-        if draft:
-            assert cluster.engine.stats.accepted_at[0] > 0
-        bundles = cluster.pg.bundle_specs
-        assert len(bundles) == tp + (placement == "separate" and draft)
-        if draft and use_gpu:  # the draft's GPU share: half of rank 0's, or one of its own
-            draft_gpu = ray.get(cluster.draft.__ray_call__.remote(
-                lambda self: ray.get_gpu_ids()))
-            shared = ray.get(cluster.workers[0].__ray_call__.remote(
-                lambda self: ray.get_gpu_ids()))
-            assert (draft_gpu == shared) == (placement == "colocated")
+        assert_equals_target_only(cluster, reference, tp, draft, use_gpu, placement, channel)
     finally:
         cluster.shutdown()
 
@@ -89,10 +99,11 @@ def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, dr
 def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference, caplog):
     """The cluster's engine has run its warm-up (a prompt in two chunks, then rounds) when the
     constructor returns, saying each stage once, in order, from this (the driver's) process;
-    a restart starts new actors, warms them up again and stays exact."""
+    it equals target-only (TP 2, the draft colocated on GPU bundles); a restart starts new
+    actors, warms them up again and stays exact."""
     prompts, params, want = reference
     caplog.set_level(logging.INFO, logger="cluster")
-    cluster = RayEngineCluster(config(draft=True), 2)
+    cluster = RayEngineCluster(config(draft=True), 2, use_gpu=True)
     try:
         stages = ["Ray at ", "placement group ready: ", "dtype float32 on cpu",
                   "starting 2 target workers and the draft actor", "target rank 0 is up at ",
@@ -109,6 +120,7 @@ def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference, ca
         warm = cluster.engine.warmup
         assert warm["requests"] >= 1 and warm["steps"] >= 3
         assert cluster.engine.stats.rounds == 0  # the warm-up's rounds are not counted
+        assert_equals_target_only(cluster, reference, 2, True, use_gpu=True)
         old_workers = cluster.actors()["workers"]
         engine = cluster.restart()
         assert cluster.restarts == 1 and engine.warmup["steps"] >= 3
@@ -120,20 +132,19 @@ def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference, ca
 
 @pytest.mark.parametrize("placement", ["colocated", "separate"])
 def test_aux_ring_feeds_the_draft_exactly_what_the_in_process_engine_feeds(ray_cluster,
-                                                                           placement):
+                                                                           reference, placement):
     """The draft's inputs travel through the shared-memory ring (colocated) or the gloo pair
     (separate) under Ray. Wrong rows would not change greedy outputs (verification fixes them)
     but would change acceptance, so compare acceptance lengths with the in-process engine. A
     prefill budget of 7 tokens makes several prefill steps in a row: more context writes
-    outstanding than the ring has slots, unless the driver's flow control holds them back."""
-    prompts, params = prompts_and_params(6)
-    cfg = EngineConfig(model=str(DEMO / "target"), draft_model=str(DEMO / "draft"),
-                       block_size=8, max_num_seqs=8, page_size=4, max_num_batched_tokens=7,
-                       draft_placement=placement)
+    outstanding than the ring has slots, unless the driver's flow control holds them back.
+    TP 1 on CPU bundles: the outputs are also target-only's (as in the test above)."""
+    prompts, params, _ = reference
+    cfg = replace(config(draft=True, placement=placement), max_num_batched_tokens=7)
     want = LLMEngine(cfg).generate(prompts, params)
     cluster = RayEngineCluster(cfg, 1)
     try:
-        got = cluster.engine.generate(prompts, params)
+        got = assert_equals_target_only(cluster, reference, 1, True, placement=placement)
         assert [o.output_ids for o in got] == [o.output_ids for o in want]
         assert [o.acceptance_lengths for o in got] == [o.acceptance_lengths for o in want]
         assert sum(map(sum, (o.acceptance_lengths for o in want))) > len(want) * 3
