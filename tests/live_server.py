@@ -73,6 +73,17 @@ def demo_api(model_name: str = DEMO_MODEL, wrap: Callable | None = None,
         client.close()
 
 
+# The tools the tool-call, Responses and Messages tests call (each API spells them its way):
+# small enough that the demo model's constrained calls end well within their max_tokens.
+WEATHER = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
+           "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+SEARCH = {"type": "object", "required": ["query"],
+          "properties": {"query": {"type": "string", "maxLength": 10}}}
+SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
 @contextmanager
 def parsing(server: dict, **kw) -> Iterator[None]:
     """A demo_api server's reasoning and tool-call parsers (ChatParsing(**kw)) for the length

@@ -18,7 +18,7 @@ import anthropic
 import httpx2 as httpx
 import jsonschema
 import pytest
-from live_server import DEMO_MODEL, parsing
+from live_server import ASK, DEMO_MODEL, SEARCH, WEATHER, parsing
 
 from deploy.chat_parsers import ChatOutputParser
 from deploy.messages_api import ContentBlocks, anthropic_error, stream_error
@@ -27,18 +27,11 @@ from deploy.protocol import RequestError
 
 MODEL = DEMO_MODEL
 GREEDY = {"temperature": 0}
-WEATHER = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
-           "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
-SEARCH = {"type": "object", "required": ["query"],
-          "properties": {"query": {"type": "string", "maxLength": 10}}}
 TOOLS = [{"name": "get_weather", "description": "Forecast.", "input_schema": WEATHER},
          {"name": "search", "description": "Web search.", "input_schema": SEARCH}]
 OPENAI_TOOLS = [{"type": "function", "function": {
     "name": t["name"], "description": t["description"], "parameters": t["input_schema"]}}
     for t in TOOLS]
-SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINKING = {"type": "disabled"}
 
 

@@ -17,7 +17,7 @@ import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
-from live_server import DEMO_MODEL, parsing
+from live_server import ASK, DEMO_MODEL, SCHEMAS, SEARCH, WEATHER, parsing
 from openai.types.responses import Response, ResponseFailedEvent, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -26,13 +26,6 @@ from deploy.response_store import ResponseStore
 from deploy.responses_api import _Call
 
 MODEL = DEMO_MODEL
-WEATHER = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
-           "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
-SEARCH = {"type": "object", "required": ["query"],
-          "properties": {"query": {"type": "string", "maxLength": 10}}}
-SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 GREEDY = {"model": MODEL, "temperature": 0}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Forecast.",

@@ -17,21 +17,14 @@ import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
-from live_server import DEMO_MODEL, parsing
+from live_server import ASK, DEMO_MODEL, SCHEMAS, SEARCH, WEATHER, parsing
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 MODEL = DEMO_MODEL
-WEATHER = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
-           "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
-SEARCH = {"type": "object", "required": ["query"],
-          "properties": {"query": {"type": "string", "maxLength": 10}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast.",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "search", "description": "Web search.",
                                            "parameters": SEARCH}}]
-SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 THINK_END = 323  # </think> in the demo tokenizer (</tool_call> is 321)
 
