@@ -11,7 +11,10 @@ penalties, greedy acceptance, commit), median ms over --iters:
   json       every sequence under a JSON schema (SCHEMA below); its drafts are legal (each
              the lowest token id the grammar allows after the ones before), so every round
              walks the matcher through the whole block: the most mask work a round can need
-  penalties  repetition, frequency and presence penalties and a logit bias, random drafts
+  penalties  repetition, frequency and presence penalties and a logit bias, random drafts;
+             the penalties by the engine's kernel (KernelConfig's default: Triton's on CUDA)
+  penalties_torch
+             the same by the torch form (the CPU path and the reference)
 
 The grammar needs a tokenizer's vocabulary: --vocab-tiktoken reads a tiktoken BPE table (base64
 token, rank per line; e.g. Qwen's 151,643-token qwen.tiktoken), padded to the model's
@@ -40,7 +43,9 @@ from bench.floors import sync
 from bench.random_model import build_target
 from bench.steps import Batch
 from configs.engine import GrammarSpec, SamplingParams
+from configs.kernels import KernelConfig
 from configs.presets import target_preset
+from target.kernels import selection
 from workers.controls import ControlsEnv
 from workers.grammar import Grammars
 from workers.token_bitmask import bitmask_words
@@ -120,20 +125,22 @@ def run(args) -> dict:
     target = build_target(raw, getattr(torch, args.dtype), device)
     graphs = device.type == "cuda" and not args.enforce_eager
     if graphs:
-        from configs.kernels import KernelConfig
-
         target.set_kernels(KernelConfig(), True)
     vocab = target.config.vocab_size
-    env = ControlsEnv(vocab, device)
+    kernel = selection.penalties_kernel(KernelConfig(), device)
+    env = ControlsEnv(vocab, device, penalties=kernel)
     env._grammars = grammars_for(args, vocab)
+    torch_env = ControlsEnv(vocab, device, penalties="torch")
     spec = GrammarSpec("json", json.dumps(SCHEMA))
     t = time.perf_counter()
     env.grammars().compile(spec)
-    results = {"args": vars(args), "compile_ms": (time.perf_counter() - t) * 1e3, "runs": []}
+    results = {"args": vars(args), "compile_ms": (time.perf_counter() - t) * 1e3,
+               "penalties_kernel": kernel, "runs": []}
     settings = {
         "baseline": SamplingParams(max_tokens=1 << 20, ignore_eos=True),
         "json": SamplingParams(max_tokens=1 << 20, ignore_eos=True, grammar=spec),
         "penalties": PENALTIES,
+        "penalties_torch": PENALTIES,
     }
     k = args.block_size - 1
     for b in args.batch_sizes:
@@ -141,7 +148,8 @@ def run(args) -> dict:
         row = {"batch": b}
         for name, params in settings.items():
             batch = Batch.in_process(target, None, (), b, args.prompt_len, max_new,
-                                     args.page_size, device, graphs, params, env)
+                                     args.page_size, device, graphs, params,
+                                     torch_env if name == "penalties_torch" else env)
             batch.prefill()
             drafts = (lambda batch=batch: legal_drafts(batch, k)) if name == "json" else \
                 (lambda batch=batch: batch.random_drafts(k))
@@ -149,12 +157,12 @@ def run(args) -> dict:
             batch.release()
             del batch
             torch.cuda.empty_cache() if device.type == "cuda" else None
-        for name in ("json", "penalties"):
+        for name in ("json", "penalties", "penalties_torch"):
             row[f"{name}_cost"] = row[name]["ms"] / row["baseline"]["ms"] - 1
         results["runs"].append(row)
-        print(f"batch {b}: baseline {row['baseline']['ms']:.2f} ms, json "
-              f"{row['json']['ms']:.2f} ms ({row['json_cost']:+.1%}), penalties "
-              f"{row['penalties']['ms']:.2f} ms ({row['penalties_cost']:+.1%})", flush=True)
+        print(f"batch {b}: baseline {row['baseline']['ms']:.2f} ms, " + ", ".join(
+            f"{name} {row[name]['ms']:.2f} ms ({row[name + '_cost']:+.1%})"
+            for name in ("json", "penalties", "penalties_torch")), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))
     return results

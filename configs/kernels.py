@@ -59,6 +59,11 @@ GDN_PROLOGUE = ("auto", "torch", "triton")
 # it wrote); "off", plainly; "auto" is on where it runs (a CUDA GPU of compute capability 9.0
 # or later, a Triton with the launch_pdl option), off elsewhere. Process-wide.
 PDL = ("auto", "on", "off")
+# The sampling penalties (repetition, frequency, presence) of a step's penalized rows: "triton"
+# (target/kernels/penalties.py: one read and one write of each penalized row) or "torch"
+# (workers/logit_controls.py: each row's counts and factors as [rows, vocabulary] tensors: the
+# reference); "auto" is triton where Triton runs (CUDA), torch elsewhere.
+PENALTIES = ("auto", "torch", "triton")
 # Gated DeltaNet in uniform rounds: one batched pass ("batched") or the per-sequence path that
 # mixed batches take ("per-seq": the reference).
 GDN_ROUNDS = ("batched", "per-seq")
@@ -96,6 +101,7 @@ class KernelConfig:
     gdn_recurrence: str = "auto"  # GDN_RECURRENCE
     gdn_prologue: str = "auto"  # GDN_PROLOGUE
     pdl: str = "auto"  # PDL
+    penalties: str = "auto"  # PENALTIES
     # The elementwise chains compiled into one kernel each (target/kernels/fused.py; CUDA
     # only). None: whenever the engine captures CUDA graphs. Process-wide: torch.compile's
     # functions are shared by every model in the process.
@@ -110,6 +116,7 @@ class KernelConfig:
         _check("gdn_recurrence", self.gdn_recurrence, GDN_RECURRENCE)
         _check("gdn_prologue", self.gdn_prologue, GDN_PROLOGUE)
         _check("pdl", self.pdl, PDL)
+        _check("penalties", self.penalties, PENALTIES)
         if self.compile_elementwise is not None and not isinstance(self.compile_elementwise,
                                                                    bool):
             raise ValueError(f"compile_elementwise must be True, False or None, got "

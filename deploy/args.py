@@ -139,7 +139,7 @@ class ServeArgs:
         "sorted, grouped, gathered, reference for every step")
     kernel_overrides: str = arg(
         "", "the other kernel choices as field=value[,…] (moe_routing, gdn_recurrence, "
-        "gdn_prologue, attention_prologue, pdl, gdn_rounds; docs/DEPLOYMENT.md): "
+        "gdn_prologue, attention_prologue, pdl, penalties, gdn_rounds; docs/DEPLOYMENT.md): "
         "to compare a variant with the defaults; empty: the defaults")
     shutdown_grace_s: float = arg(
         DEFAULT_SHUTDOWN_GRACE_S, "on SIGTERM or Ctrl-C: seconds the requests in flight may "

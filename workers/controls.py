@@ -31,27 +31,31 @@ log = logging.getLogger(__name__)
 
 
 class ControlsEnv:
-    """What one process needs to build controls: the logits' width, the device, and (for
+    """What one process needs to build controls: the logits' width, the device, (for
     grammars, made on first use) the tokenizer, whose grammars compile on a thread of their
-    own beside the step."""
+    own beside the step, and the penalties' kernel: "torch" or "triton" (KernelConfig's
+    `penalties` resolved for the device, target/kernels/selection.py)."""
 
     def __init__(self, vocab_size: int, device: torch.device | str,
-                 tokenizer_dir: str | None = None):
+                 tokenizer_dir: str | None = None, penalties: str = "torch"):
+        if penalties not in ("torch", "triton"):
+            raise ValueError(f"penalties must be 'torch' or 'triton', got {penalties!r}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.tokenizer_dir = tokenizer_dir
+        self.penalties = penalties
         self._grammars: Grammars | None = None
         self._pool: ThreadPoolExecutor | None = None
         # the step's thread and the compile thread may both ask first: one builds
         self._lock = threading.Lock()
 
     @classmethod
-    def for_checkpoint(cls, model_dir: str, vocab_size: int,
-                       device: torch.device | str) -> ControlsEnv:
+    def for_checkpoint(cls, model_dir: str, vocab_size: int, device: torch.device | str,
+                       penalties: str = "torch") -> ControlsEnv:
         """Grammars from the checkpoint's tokenizer, where it ships one."""
         d = Path(model_dir)
         has_tokenizer = (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
-        return cls(vocab_size, device, str(d) if has_tokenizer else None)
+        return cls(vocab_size, device, str(d) if has_tokenizer else None, penalties)
 
     def grammars(self) -> Grammars:
         with self._lock:
@@ -93,14 +97,18 @@ class SeqControls:
             allowed[[w[0] for w in params.bad_words_token_ids if len(w) == 1]] = False
             self.static_mask = pack_bits(allowed[None])[0]
         self.long_bad_words = [w for w in params.bad_words_token_ids if len(w) > 1]
-        self.counts: torch.Tensor | None = None  # [V] int32 generated-token counts
+        # [V] int32 generated-token counts (the penalties), read through counts(): the tokens
+        # committed since the last read are added then, on the device while the next step's
+        # forward runs, rather than between steps where the device would wait for them
+        self._counts: torch.Tensor | None = None
+        self._uncounted: list[int] = []
         self.in_prompt: torch.Tensor | None = None  # [V] bool (repetition_penalty)
         if params.has_penalties and penalties:
-            self.counts = torch.zeros(v, dtype=torch.int32, device=device)
+            self._counts = torch.zeros(v, dtype=torch.int32, device=device)
             if params.repetition_penalty != 1:
                 self.in_prompt = torch.zeros(v, dtype=torch.bool, device=device)
                 self.in_prompt[device_tensor(prompt_ids, torch.long, device)] = True
-        self._env = env
+        self.env = env
         self._compiled: Future | None = None
         self._matcher = None
         # the grammar's opening token (a reasoning model's </think>) while it is still to come
@@ -118,7 +126,7 @@ class SeqControls:
         """The grammar's matcher (waits for its compile); GrammarError if it did not."""
         if self._matcher is None and self._compiled is not None:
             compiled = self._compiled.result()  # (the compile thread built the Grammars)
-            self._matcher = self._env.grammars().matcher(compiled, self.grammar_end_ids)
+            self._matcher = self.env.grammars().matcher(compiled, self.grammar_end_ids)
         return self._matcher
 
     def fill_masks(self, block: list[int], out: torch.Tensor) -> None:
@@ -154,6 +162,15 @@ class SeqControls:
             if banned:
                 clear_bits(words[j], banned)
 
+    @property
+    def penalized(self) -> bool:
+        return self._counts is not None
+
+    def counts(self) -> torch.Tensor:
+        """[V] int32: how often each token was generated (the committed tokens)."""
+        count_tokens([self])
+        return self._counts
+
     def commit(self, tokens: list[int]) -> None:
         """The step's committed tokens for this sequence (accepted drafts and the bonus, or a
         prefill's first token). GrammarError if the grammar refuses one: no token was left
@@ -161,11 +178,8 @@ class SeqControls:
         if not tokens:
             return
         self.generated += tokens
-        if self.counts is not None:
-            dev = self.counts.device
-            self.counts.index_put_((device_tensor(tokens, torch.long, dev),),
-                                   torch.ones(len(tokens), dtype=torch.int32, device=dev),
-                                   accumulate=True)
+        if self._counts is not None:
+            self._uncounted += tokens
         matcher = self.matcher()
         if self.waiting_for is not None:
             if self.waiting_for not in tokens:
@@ -251,6 +265,22 @@ class ControlsTable:
                 except GrammarError as e:
                     errors[i] = f"GrammarError: {e}"
         return errors
+
+
+def count_tokens(controls: list[SeqControls]) -> None:
+    """Adds each sequence's tokens committed since its last count to its counts: one copy to
+    the device for all of them and one index_add per sequence that has any."""
+    todo = [c for c in controls if c._uncounted]
+    if not todo:
+        return
+    dev = todo[0]._counts.device
+    tokens = device_tensor([t for c in todo for t in c._uncounted], torch.long, dev)
+    ones = torch.ones(len(tokens), dtype=torch.int32, device=dev)
+    at = 0
+    for c in todo:
+        n = len(c._uncounted)
+        c._counts.index_add_(0, tokens[at : at + n], ones[at : at + n])
+        c._uncounted, at = [], at + n
 
 
 def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

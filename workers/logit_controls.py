@@ -1,7 +1,7 @@
 """A step's sampling controls applied to its logits, for all controlled rows at once, in
 vLLM's order: the masks (grammar, allowed_token_ids, bad_words, min_tokens) as one token
 bitmask built on the host into one pinned buffer while the device runs the forward, copied
-once and applied by one pass; then the bias; then the penalties, a few device ops. The state
+once and applied by one pass; then the bias; then the penalties, one kernel on CUDA. The state
 each row needs is its sequence's SeqControls (workers/controls.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.controls import SeqControls, device_tensor
+from target.kernels import penalties
+from workers.controls import SeqControls, count_tokens, device_tensor
 from workers.grammar import GrammarError
 from workers.token_bitmask import bitmask_words, unpack_bits
 
@@ -78,51 +79,66 @@ def _apply_masks(logits: torch.Tensor, rows: list[ControlRows], errors: dict[int
 
 
 def _apply_bias(logits: torch.Tensor, rows: list[ControlRows]) -> None:
-    row_idx, tok_idx, values = [], [], []
+    """One index_add over the flattened logits; a token named twice has its biases summed
+    first, so no element is added to twice and the sum is the same every run."""
+    flat, values = [], []
+    v = logits.shape[-1]
     for r in rows:
+        bias: dict[int, float] = {}
         for t, b in r.controls.params.logit_bias:
-            row_idx.extend(range(r.first, r.first + r.num_rows))
-            tok_idx.extend([t] * r.num_rows)
-            values.extend([b] * r.num_rows)
+            bias[t] = bias.get(t, 0.0) + b
+        for row in range(r.first, r.first + r.num_rows):
+            flat.extend(row * v + t for t in bias)
+            values.extend(bias.values())
     dev = logits.device
-    logits.index_put_((device_tensor(row_idx, torch.long, dev),
-                       device_tensor(tok_idx, torch.long, dev)),
-                      device_tensor(values, logits.dtype, dev), accumulate=True)
+    logits.view(-1).index_add_(0, device_tensor(flat, torch.long, dev),
+                               device_tensor(values, logits.dtype, dev))
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[ControlRows]) -> None:
     """vLLM's formula per row: a token seen in the prompt or generated has its logit divided
     by repetition_penalty if positive, multiplied if not; then frequency_penalty × its
     generated count and presence_penalty × (count > 0) are subtracted. Row j's counts include
-    the drafts before it."""
+    the drafts before it. By the kernel the sequences' ControlsEnv names: Triton's
+    (target/kernels/penalties.py) or `_penalize_torch`, the same bits."""
     dev, v = logits.device, logits.shape[-1]
-    row_of, seq_of, extra_r, extra_t = [], [], [], []
-    at = 0
+    drafts = max(r.num_rows for r in rows) - 1
+    table = []  # per row: its logits row, its sequence, the drafts its counts add (-1 pads)
     for s, r in enumerate(rows):
-        row_of.extend(range(r.first, r.first + r.num_rows))
-        seq_of.extend([s] * r.num_rows)
-        for j in range(1, len(r.block)):  # row j counts the drafts d1..dj
-            extra_r.extend([at + j] * j)
-            extra_t.extend(r.block[1 : j + 1])
-        at += r.num_rows
-    seq_t = device_tensor(seq_of, torch.long, dev)
-    counts = torch.stack([r.controls.counts for r in rows])[seq_t]  # [R, V]
-    if extra_r:
-        counts.index_put_((device_tensor(extra_r, torch.long, dev),
-                           device_tensor(extra_t, torch.long, dev)),
-                          torch.ones(len(extra_r), dtype=counts.dtype, device=dev),
-                          accumulate=True)
-    params = [r.controls.params for r in rows]
-    per_row = device_tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
-                              for p in params], torch.float32, dev)[seq_t]  # [R, 3]
-    rep, freq, pres = per_row.unbind(1)
+        for j in range(r.num_rows):
+            table.append([r.first + j, s, *r.block[1 : j + 1]] + [-1] * (drafts - j))
+    table_t = device_tensor(table, torch.int32, dev)
+    count_tokens([r.controls for r in rows])
+    counts = torch.stack([r.controls.counts() for r in rows])  # [S, V] int32
+    in_prompt = None
+    if any(r.controls.in_prompt is not None for r in rows):
+        in_prompt = torch.stack([r.controls.in_prompt if r.controls.in_prompt is not None
+                                 else torch.zeros(v, dtype=torch.bool, device=dev)
+                                 for r in rows])
+    params = device_tensor([[r.controls.params.repetition_penalty,
+                             r.controls.params.frequency_penalty,
+                             r.controls.params.presence_penalty] for r in rows],
+                           torch.float32, dev)
+    if rows[0].controls.env.penalties == "triton":
+        penalties.penalize(logits, table_t, counts, in_prompt, params)
+    else:
+        _penalize_torch(logits, table_t, counts, in_prompt, params)
+
+
+def _penalize_torch(logits: torch.Tensor, table: torch.Tensor, counts: torch.Tensor,
+                    in_prompt: torch.Tensor | None, params: torch.Tensor) -> None:
+    """penalties.penalize's arguments and result, with each row's counts, prompt flags and
+    factors as [rows, V] tensors: the CPU path and the reference."""
+    table = table.long()
+    row_t, seq_t, drafts = table[:, 0], table[:, 1], table[:, 2:]
+    counts = counts[seq_t]  # [R, V]
+    if drafts.shape[1]:
+        counts.scatter_add_(1, drafts.clamp(min=0), (drafts >= 0).to(counts.dtype))
+    rep, freq, pres = params[seq_t].unbind(1)
     seen = counts > 0
-    prompt = [r.controls.in_prompt if r.controls.in_prompt is not None
-              else torch.zeros(v, dtype=torch.bool, device=dev) for r in rows]
-    in_prompt_or_seen = torch.stack(prompt)[seq_t] | seen
-    row_t = device_tensor(row_of, torch.long, dev)
+    hit = seen if in_prompt is None else in_prompt[seq_t] | seen
     x = logits[row_t].float()
-    rep = torch.where(in_prompt_or_seen, rep[:, None], 1.0)
+    rep = torch.where(hit, rep[:, None], 1.0)
     x = torch.where(x > 0, x / rep, x * rep)
     x = x - freq[:, None] * counts - pres[:, None] * seen
     logits[row_t] = x.to(logits.dtype)

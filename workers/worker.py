@@ -180,8 +180,9 @@ class TargetWorker(StepLoopEnds):
                 list(range(num_pages, num_pages + scratch)), cfg.max_num_seqs)
         self.runner = ModelRunner(self.model, caches, self.aux_layer_ids, self.device,
                                   cfg.seed, round_graphs)
-        self.controls = ControlsEnv.for_checkpoint(cfg.model, self.model.config.vocab_size,
-                                                   self.device)
+        self.controls = ControlsEnv.for_checkpoint(
+            cfg.model, self.model.config.vocab_size, self.device,
+            selection.penalties_kernel(cfg.kernels, self.device))
 
     def serve_steps(self) -> None:
         """The step loop; returns when the driver sends STOP."""

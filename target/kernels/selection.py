@@ -23,6 +23,7 @@ from target.kernels import (
     moe_sorted,
     moe_triton,
     pdl,
+    penalties,
     qk_rope_triton,
 )
 
@@ -103,6 +104,11 @@ def routing_kernel(kcfg: KernelConfig, device: torch.device | str) -> str:
     return _triton_or(kcfg.moe_routing, "moe_routing", moe_route, device, "torch")
 
 
+def penalties_kernel(kcfg: KernelConfig, device: torch.device | str) -> str:
+    """penalties on this device: "triton" (as routing_kernel's) or "torch"."""
+    return _triton_or(kcfg.penalties, "penalties", penalties, device, "torch")
+
+
 def recurrence_kernel(kcfg: KernelConfig, device: torch.device | str) -> str:
     """gdn_recurrence on this device: "slots" (as routing_kernel's triton) or "fla"."""
     return _triton_or(kcfg.gdn_recurrence, "gdn_recurrence", gdn_slots, device, "fla",
@@ -168,5 +174,6 @@ def check(kcfg: KernelConfig, device: str) -> None:
     attention_prologue_kernel(kcfg, device)
     routing_kernel(kcfg, device)
     gdn_prologue_kernel(kcfg, device)  # (and the recurrence)
+    penalties_kernel(kcfg, device)
     if not device.startswith("cuda"):
         pdl_launch(kcfg, device)

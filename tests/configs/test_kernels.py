@@ -20,7 +20,8 @@ from configs.kernels import KernelConfig, parse_choices
                                         ("gdn_rounds", "gdn_rounds"),
                                         ("gdn_recurrence", "gdn_recurrence"),
                                         ("gdn_prologue", "gdn_prologue"),
-                                        ("pdl", "pdl")])
+                                        ("pdl", "pdl"),
+                                        ("penalties", "penalties")])
 def test_an_unknown_choice_is_a_value_error_naming_its_field(field, name):
     with pytest.raises(ValueError, match=name):
         KernelConfig(**{field: "nope"})

@@ -191,3 +191,48 @@ def test_a_grammar_that_starts_after_a_token_is_free_until_it_is_generated():
     row = torch.full((1, V // 32), -1, dtype=torch.int32)
     c.fill_masks([a], row)
     assert torch.equal(row[0], want[1])
+
+
+def penalized_batch(kernel: str, device: str, dtype: torch.dtype, v: int = V
+                    ) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Three penalized sequences in one step's logits around an uncontrolled row: a verify
+    block with all three penalties, a prefill's sampled row (no block) with frequency only,
+    a shorter block with the repetition penalty only. → (logits before, after, the rows)."""
+    env = ControlsEnv(v, device, penalties=kernel)
+    specs = [(SamplingParams(repetition_penalty=1.3, frequency_penalty=0.6,
+                             presence_penalty=-0.4), BLOCK),
+             (SamplingParams(frequency_penalty=1.1), []),
+             (SamplingParams(repetition_penalty=0.8), [40, 9, 9])]
+    rows, first = [], 1  # row 0: a sequence without controls
+    for i, (params, block) in enumerate(specs):
+        c = SeqControls(env, params, PROMPT, EOS)
+        c.commit(GENERATED + block[:1])
+        rows.append(ControlRows(i, c, first, block))
+        first += max(len(block), 1)
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(first + 1, v, generator=g) * 3).to(device, dtype)
+    logits[:, 2] = float("-inf")  # a masked token stays masked
+    out = logits.clone()
+    assert apply_controls(out, rows) == {}
+    return logits, out, rows
+
+
+def test_penalties_of_a_batch_are_each_sequences_alone():
+    logits, out, rows = penalized_batch("torch", "cpu", torch.float32)
+    for r in rows:
+        alone = logits[r.first : r.first + r.num_rows].clone()
+        apply_controls(alone, [ControlRows(0, r.controls, 0, r.block)])
+        assert torch.equal(out[r.first : r.first + r.num_rows], alone)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[-1], logits[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_penalties_are_the_torch_forms_bits(dtype):
+    """Qwen3.5's vocabulary width (not a multiple of the kernel's block)."""
+    v = 248_320 + 77
+    before, want, _ = penalized_batch("torch", "cuda", dtype, v)
+    again, got, _ = penalized_batch("triton", "cuda", dtype, v)
+    assert torch.equal(before, again)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, before)
