@@ -128,6 +128,9 @@ class InstantRunner:
     def release(self, seq_id: int) -> None:
         pass
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        pass
+
 
 class InstantDrafter:
     def __init__(self, block: int):

@@ -15,7 +15,17 @@ The first request (sized like the rest, 16 output tokens) is sent again after th
 TTFT on a fresh server against the same request's once warm says what start-up left for the
 first user to pay. Writes serving.csv (a row per level), serving.json (everything, with the
 command line and every request) and serving.png (throughput and ITL p50 vs concurrency) into
---out-dir."""
+--out-dir.
+
+    python -m bench.serving --workload multi-turn --history-len 16384 --turns 8 \
+        --turn-len 512 --output-len 256
+    python -m bench.serving --workload shared-prefix --num-prompts 32 --shared-len 32768 \
+        --question-len 256 --concurrency 8
+
+measure the prefix cache instead (token-id prompts, against a server with and without
+`--no-enable-prefix-caching`): a conversation's turns, each resending everything before it
+(TTFT, prompt and cached tokens per turn), or many requests sharing one long system prompt
+(the total time); written to multi-turn.json / shared-prefix.json in --out-dir."""
 
 from __future__ import annotations
 
@@ -50,6 +60,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (name, sorted 
 class Prompt:
     text: str
     max_tokens: int
+    ids: list[int] | None = None  # a token-id prompt (completions), sent instead of the text
 
 
 @dataclass
@@ -63,6 +74,8 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)  # one sample per token after the first chunk
     # between successive chunks that carried tokens: one engine step (a round) per sample
     chunk_gaps_s: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (the prefix cache's)
+    token_ids: list[int] = field(default_factory=list)  # the output (return_token_ids)
     error: str | None = None
 
     def add_chunk(self, since_start: float, num_tokens: int) -> None:
@@ -133,8 +146,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="for the synthetic prompts")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out-dir", type=Path, default=Path("."))
+    w = p.add_argument_group("prefix-cache workloads (token-id prompts on /v1/completions; "
+                             "run each against the server with and without prefix caching)")
+    w.add_argument("--workload", choices=["levels", "multi-turn", "shared-prefix"],
+                   default="levels", help="levels: the concurrency levels above (default)")
+    w.add_argument("--history-len", type=int, default=16384, help="multi-turn: the history")
+    w.add_argument("--turns", type=int, default=8, help="multi-turn: turns")
+    w.add_argument("--turn-len", type=int, default=512, help="multi-turn: new tokens a turn")
+    w.add_argument("--shared-len", type=int, default=32768, help="shared-prefix: its length")
+    w.add_argument("--question-len", type=int, default=256,
+                   help="shared-prefix: each request's own tokens")
+    w.add_argument("--token-id-min", type=int, default=10)
+    w.add_argument("--token-id-max", type=int, default=300,
+                   help="token ids are drawn from [min, max): within any vocabulary here")
     args = p.parse_args(argv)
-    for name in ("num_prompts", "prompt_len", "output_len"):
+    if not 0 <= args.token_id_min < args.token_id_max:
+        p.error("--token-id-min must be >= 0 and below --token-id-max")
+    for name in ("num_prompts", "prompt_len", "output_len", "history_len", "turns", "turn_len",
+                 "shared_len", "question_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if min(args.concurrency) < 1:
@@ -183,7 +212,8 @@ async def send(client: openai.AsyncOpenAI, model: str, prompt: Prompt, chat: boo
             stream = await client.chat.completions.create(
                 messages=[{"role": "user", "content": prompt.text}], **kw)
         else:
-            stream = await client.completions.create(prompt=prompt.text, **kw)
+            stream = await client.completions.create(
+                prompt=prompt.ids if prompt.ids is not None else prompt.text, **kw)
         usage = None
         async for chunk in stream:
             now = time.perf_counter() - start
@@ -193,10 +223,14 @@ async def send(client: openai.AsyncOpenAI, model: str, prompt: Prompt, chat: boo
                 if ids is None:  # a server without the extension: a content chunk is 1 token
                     text = choice.delta.content if chat else choice.text
                     ids = [0] if text else []
+                else:
+                    res.token_ids += ids
                 res.add_chunk(now, len(ids))
         if usage is not None:
             res.prompt_tokens = usage.prompt_tokens
             res.output_tokens = usage.completion_tokens
+            details = getattr(usage, "prompt_tokens_details", None)
+            res.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
         res.e2e_s = time.perf_counter() - start
     except Exception as e:  # counted per level; the run goes on
         res.error = f"{type(e).__name__}: {e}"
@@ -282,6 +316,68 @@ def summarize(c: int, results: list[RequestResult], duration: float,
         pct(gaps, 50), pct(e2e, 50), pct(e2e, 90), spec)
 
 
+def token_ids(rng: random.Random, n: int, args: argparse.Namespace) -> list[int]:
+    return [rng.randrange(args.token_id_min, args.token_id_max) for _ in range(n)]
+
+
+async def multi_turn(client: openai.AsyncOpenAI, model: str, args: argparse.Namespace) -> dict:
+    """One conversation of token-id prompts: a --history-len history, then --turns turns, each
+    adding --turn-len new tokens to everything before (the earlier answers included) and
+    generating --output-len tokens. Per turn: TTFT, prompt and cached tokens."""
+    rng = random.Random(args.seed)
+    history, turns = token_ids(rng, args.history_len, args), []
+    for turn in range(1, args.turns + 1):
+        history += token_ids(rng, args.turn_len, args)
+        r = await send(client, model, Prompt("", args.output_len, list(history)), False,
+                       args.temperature)
+        if r.error:
+            raise SystemExit(f"turn {turn} failed: {r.error}")
+        turns.append({"turn": turn, "prompt_tokens": r.prompt_tokens,
+                      "cached_tokens": r.cached_tokens, "ttft_ms": 1e3 * r.ttft_s,
+                      "e2e_ms": 1e3 * r.e2e_s})
+        print(f"turn {turn}: {r.prompt_tokens} prompt tokens ({r.cached_tokens} cached), TTFT "
+              f"{1e3 * r.ttft_s:.1f} ms", file=sys.stderr)
+        history += r.token_ids
+    return {"turns": turns}
+
+
+async def shared_prefix(client: openai.AsyncOpenAI, model: str,
+                        args: argparse.Namespace) -> dict:
+    """--num-prompts token-id prompts: one --shared-len prefix (a system prompt) and a distinct
+    --question-len question each, at the first --concurrency level. The total time, TTFTs and
+    cached tokens."""
+    rng = random.Random(args.seed)
+    system = token_ids(rng, args.shared_len, args)
+    prompts = [Prompt("", args.output_len, system + token_ids(rng, args.question_len, args))
+               for _ in range(args.num_prompts)]
+    results, duration = await run_level(client, args, model, prompts, args.concurrency[0])
+    ok = [r for r in results if r.error is None]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    print(f"shared prefix: {len(ok)}/{len(results)} ok in {duration:.2f} s, "
+          f"{sum(r.cached_tokens for r in ok)} of {sum(r.prompt_tokens for r in ok)} prompt "
+          f"tokens cached", file=sys.stderr)
+    return {"total_s": duration, "requests": len(results), "errors": len(results) - len(ok),
+            "prompt_tokens": sum(r.prompt_tokens for r in ok),
+            "cached_tokens": sum(r.cached_tokens for r in ok),
+            "ttft_ms_p50": float(np.percentile(ttft, 50)) * 1e3 if ttft else None,
+            "ttft_ms_max": max(ttft) * 1e3 if ttft else None,
+            "per_request": [{"cached_tokens": r.cached_tokens, "ttft_ms": 1e3 * r.ttft_s
+                             if r.ttft_s is not None else None, "error": r.error}
+                            for r in results]}
+
+
+async def prefix_workload(args: argparse.Namespace) -> dict:
+    async with openai.AsyncOpenAI(base_url=f"{args.base_url}/v1", max_retries=0,
+                                  api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                                  timeout=args.timeout) as client:
+        try:
+            model = args.model or (await client.models.list()).data[0].id
+        except (openai.APIError, IndexError) as e:
+            raise SystemExit(f"no model at {args.base_url}/v1/models: {e!r}") from None
+        run = multi_turn if args.workload == "multi-turn" else shared_prefix
+        return {"model": model, args.workload: await run(client, model, args)}
+
+
 async def bench(args: argparse.Namespace) -> dict:
     async with (openai.AsyncOpenAI(base_url=f"{args.base_url}/v1", max_retries=0,
                                    api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
@@ -327,6 +423,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     command = "python -m bench.serving " + shlex.join(sys.argv[1:] if argv is None else argv)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if args.workload != "levels":
+        result = asyncio.run(prefix_workload(args))
+        report = {"command": command, "started": started, **result,
+                  "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / f"{args.workload}.json").write_text(json.dumps(report, indent=1))
+        return report
     result = asyncio.run(bench(args))
     summaries = [level["summary"] for level in result["levels"]]
     report = {"command": command, "started": started, "model": result["model"],

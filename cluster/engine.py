@@ -16,11 +16,13 @@ from pathlib import Path
 
 from cluster.block_manager import BlockManager
 from cluster.executor import Executor
+from cluster.prefix_cache import PrefixCache, PrefixCacheSnapshot, page_keys
 from cluster.scheduler import ScheduledStep, Scheduler
 from cluster.sequence import Sequence
 from cluster.startup import EnginePlan, start_in_process
 from cluster.stats import TimeAccumulator
 from configs.engine import EngineConfig, SamplingParams
+from workers.cache import state_slot_bytes
 from workers.cuda_graphs import graph_batch_buckets
 from workers.logprobs import TokenLogprob
 from workers.messages import NewSeq, StepKind, StepMsg
@@ -45,6 +47,7 @@ class RequestOutput:
     # params.prompt_logprobs, in the first output only: one per prompt token, None for the
     # first (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache spared (not prefilled)
 
 
 @dataclass
@@ -101,7 +104,10 @@ class LLMEngine:
         self.has_draft = self.draft_config is not None
         self.block_size = self.plan.block_size
         self.max_model_len = self.plan.max_model_len
-        self.blocks = BlockManager(self.plan.num_pages, cfg.page_size, cfg.max_num_seqs)
+        prefix = PrefixCache(cfg.page_size, self.plan.snapshot_slots(cfg.max_num_seqs)) \
+            if cfg.enable_prefix_caching else None
+        self.blocks = BlockManager(self.plan.num_pages, cfg.page_size, cfg.max_num_seqs, prefix)
+        self.prefix = prefix
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, self.max_model_len,
                                    lookahead=self.block_size,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
@@ -117,6 +123,7 @@ class LLMEngine:
         self._released: list[int] = []  # seq ids to drop there with the next step
         self._in_flight: ScheduledStep | None = None
         self._deferred_aborts: list[str] = []
+        self._snapshots: list[tuple[Sequence, int, int]] = []  # the step in flight takes
         self.warmup: dict[str, float] = {}  # what warm_up ran: requests, steps, seconds
 
     # ---- requests ---------------------------------------------------------------------------
@@ -197,10 +204,14 @@ class LLMEngine:
                   "released": self._released}
         self._released = []
         if plan.prefill:
+            restores, snapshots = self._state_copies(plan)
             msg = StepMsg(kind=StepKind.PREFILL, chunk_lens=list(plan.chunk_lens),
                           samples=[s.num_cached + n == len(s.prompt_ids)
                                    for s, n in zip(seqs, plan.chunk_lens, strict=True)],
+                          restores=restores, snapshots=[(s.state_slot, slot)
+                                                        for s, slot, _ in snapshots],
                           **common)
+            self._snapshots = snapshots
         else:
             msg = StepMsg(kind=StepKind.ROUND, anchors=[s.anchor for s in seqs], **common)
         self.executor.submit(msg)
@@ -210,21 +221,33 @@ class LLMEngine:
     def finish_step(self) -> list[RequestOutput]:
         """Waits for the step begun last and applies its result."""
         plan, self._in_flight = self._in_flight, None
+        snapshots, self._snapshots = self._snapshots, []
         try:
             result = self.executor.result()
         except BaseException:
+            for _, slot, _ in snapshots:  # nothing the step wrote is entered
+                self.prefix.cancel_snapshot(slot)
             self._apply_deferred_aborts()
             raise
         if plan.prefill:
+            failed = set()
             for i, (s, n, toks) in enumerate(zip(plan.prefill, plan.chunk_lens,
                                                  result.new_tokens, strict=True)):
                 s.num_cached += n
                 if i in result.errors:
+                    failed.add(s.seq_id)
                     self._fail(s, result.errors[i])
                     continue
+                self._enter_pages(s)
                 s.prompt_logprobs += result.prompt_logprobs.get(i, [])
                 if s.prefilled:
                     self._append(s, toks, result.logprobs.get(i))
+            for s, slot, pages in snapshots:
+                if s.seq_id in failed:
+                    self.prefix.cancel_snapshot(slot)
+                elif self.prefix.enter_snapshot(s.prompt_keys[pages - 1], slot, pages,
+                                                s.last_snapshot):
+                    s.last_snapshot = s.prompt_keys[pages - 1]
         else:
             if result.propose_s is not None:
                 self.draft_time.observe(result.propose_s)
@@ -236,11 +259,76 @@ class LLMEngine:
                     self._fail(s, result.errors[i])
                     continue
                 self.stats.record(n, self.block_size - 1)
+                self._enter_pages(s, toks[:n])  # (before a stop frees its pages)
                 s.acceptance_lengths.append(self._append(s, toks, result.logprobs.get(i)))
         outputs = self._collect(plan.prefill + plan.decode)
         self._apply_deferred_aborts()
         self._flush_if_idle()
         return outputs
+
+    # ---- the prefix cache (cluster/prefix_cache.py) ----------------------------------------
+
+    def _state_copies(self, plan: ScheduledStep
+                      ) -> tuple[list[tuple[int, int]], list[tuple[Sequence, int, int]]]:
+        """A prefill step's restores (snapshot slot → state slot, for the sequences admitted on
+        a hit) and the snapshots it takes: (sequence, snapshot slot, pages) for each chunk
+        that ends at a page boundary before its prompt's last token, where the cache has no
+        snapshot of that page yet."""
+        if self.prefix is None:
+            return [], []
+        restores = []
+        for s in plan.prefill:
+            if s.restore_slot is not None:
+                restores.append((s.restore_slot, s.state_slot))
+                s.restore_slot = None
+        keep = {slot for slot, _ in restores}
+        snapshots = []
+        page = self.cfg.page_size
+        for s, n in zip(plan.prefill, plan.chunk_lens, strict=True):
+            end = s.num_cached + n
+            if s.prompt_keys is None or end % page or not 0 < end <= self.scheduler.snapshot_at(s):
+                continue
+            if s.prompt_keys[end // page - 1] in self.prefix.snapshots:
+                continue
+            slot = self.prefix.reserve_snapshot(keep)
+            if slot is None:
+                break
+            snapshots.append((s, slot, end // page))
+        return restores, snapshots
+
+    def prefix_snapshot(self) -> PrefixCacheSnapshot | None:
+        """The prefix cache's figures (None: prefix caching is off)."""
+        c = self.prefix
+        if c is None:
+            return None
+        st = c.stats
+        return PrefixCacheSnapshot(
+            st.queries, st.query_tokens, st.hits, st.hit_tokens, c.num_cached_pages,
+            c.num_snapshots, c.num_snapshot_slots,
+            state_slot_bytes(self.target_config, self.cfg.torch_dtype)
+            if self.target_config.linear_attention_layers else 0,
+            st.page_evictions, st.snapshot_evictions)
+
+    def _enter_pages(self, seq: Sequence, accepted: list[int] = ()) -> None:
+        """The sequence's pages that are full and committed since it last entered some go into
+        the prefix cache, keyed by the tokens they hold (prompt, then output: the round's
+        accepted drafts, `accepted`, are committed but not appended yet)."""
+        if self.prefix is None:
+            return
+        page, first = self.cfg.page_size, len(seq.page_keys)
+        full = seq.num_cached // page
+        if full <= first:
+            return
+        if seq.prompt_keys is None:
+            seq.prompt_keys = page_keys(seq.prompt_ids, page)
+        keys = seq.prompt_keys[first:full]
+        if len(seq.page_keys) + len(keys) < full:  # pages past the prompt: its output's
+            tokens = (seq.prompt_ids + seq.output_ids + list(accepted))[: full * page]
+            known = first + len(keys)
+            parent = keys[-1] if keys else seq.page_keys[-1] if seq.page_keys else b""
+            keys = keys + page_keys(tokens, page, parent, known)
+        self.prefix.enter_pages(keys, seq.block_table[first:full])
+        seq.page_keys += keys
 
     def _apply_deferred_aborts(self) -> None:
         aborts, self._deferred_aborts = self._deferred_aborts, []
@@ -292,7 +380,8 @@ class LLMEngine:
                 s.finish_reason, list(s.acceptance_lengths), s.error,
                 new_logprobs=None if p.logprobs is None else s.logprobs[s.num_streamed :],
                 prompt_logprobs=[None, *s.prompt_logprobs]
-                if first and p.prompt_logprobs is not None else None))
+                if first and p.prompt_logprobs is not None else None,
+                num_cached_tokens=s.num_cached_tokens))
             s.num_streamed = len(s.output_ids)
             if s.finished:
                 self._release(s)

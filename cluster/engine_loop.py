@@ -525,4 +525,4 @@ class LocalEngineClient:
             draft_time_per_round=(self.engine.draft_time.snapshot()
                                   if self.engine.has_draft else None),
             verify_time_per_round=self.engine.verify_time.snapshot(),
-            finished=dict(self._finished))
+            finished=dict(self._finished), prefix_cache=self.engine.prefix_snapshot())

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from cluster.engine import AcceptanceStats, RequestOutput
+from cluster.prefix_cache import PrefixCacheSnapshot
 from cluster.stats import TimeHistogram
 from configs.engine import SamplingParams
 
@@ -51,6 +52,7 @@ class EngineSnapshot:
     # Requests the engine ended since start, by how: stop, length, abort (its consumer left,
     # or met a stop string), error (it failed, or a drain or shutdown stopped it).
     finished: dict[str, int] = field(default_factory=dict)
+    prefix_cache: PrefixCacheSnapshot | None = None  # None: prefix caching is off
 
 
 @dataclass

@@ -6,7 +6,11 @@ prefill step (prompt chunks within `max_num_batched_tokens`: first the prompt le
 by the previous prefill step, then newly admitted ones) or one propose/verify round for every
 sequence whose prompt is fully cached. When both kinds of work exist the steps alternate, so a
 long prompt delays running streams by at most one chunk per round, and running streams cannot
-starve admission."""
+starve admission.
+
+With a prefix cache (cluster/prefix_cache.py) an admitted prompt starts after its hit, and its
+chunks end at the points where its state is snapshotted: the last page boundary before its
+last token, and page boundaries where the budget cuts it."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from cluster.block_manager import BlockManager
+from cluster.prefix_cache import Hit, PrefixCache, page_keys
 from cluster.sequence import SeqStatus, Sequence
 
 
@@ -65,23 +70,65 @@ class Scheduler:
             if budget == 0:
                 break
             if not seq.prefilled:
-                n = min(seq.num_prompt_left, budget)
+                n = self._chunk(seq, budget)
                 seqs.append(seq)
                 chunk_lens.append(n)
                 budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.can_admit(self.reach(seq)):
+            hit = self._lookup(seq)
+            if not self.blocks.can_admit(self.reach(seq), hit):
                 break  # no overtaking: later requests wait behind the one waiting for memory
             self.waiting.popleft()
-            self.blocks.admit(seq, self.reach(seq))
+            self.blocks.admit(seq, self.reach(seq), hit)
+            if hit is not None:
+                self.prefix.admitted(len(seq.prompt_ids), hit)
+                seq.num_cached = seq.num_cached_tokens = hit.num_tokens
+                seq.restore_slot = hit.snapshot_slot
+                seq.page_keys = hit.keys(self.prefix)
+                seq.last_snapshot = hit.key or None
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_prompt_left, budget)
+            n = self._chunk(seq, budget)
             seqs.append(seq)
             chunk_lens.append(n)
             budget -= n
         return seqs, chunk_lens
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        return self.blocks.prefix
+
+    def _lookup(self, seq: Sequence) -> Hit | None:
+        """The prompt's prefix-cache hit; None without a cache or where every prompt token's
+        log-probabilities are asked for (they are computed by prefilling the prompt)."""
+        if self.prefix is None or seq.params.prompt_logprobs is not None:
+            return None
+        if seq.prompt_keys is None:
+            seq.prompt_keys = page_keys(seq.prompt_ids, self.blocks.page_size)
+        return self.prefix.lookup(len(seq.prompt_ids), seq.prompt_keys)
+
+    def snapshot_at(self, seq: Sequence) -> int:
+        """The last page boundary before the prompt's last token: where the prefix cache
+        snapshots the prompt's state (0: none, the prompt is shorter than a page and one)."""
+        page = self.blocks.page_size
+        return (len(seq.prompt_ids) - 1) // page * page
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The prompt tokens seq feeds this step: what is left, within the budget; with a
+        prefix cache, a chunk that would pass the prompt's snapshot point ends there, and one
+        the budget cuts short before it ends at a page boundary (each a snapshot point)."""
+        n = min(seq.num_prompt_left, budget)
+        if self.prefix is None or seq.params.prompt_logprobs is not None:
+            return n
+        start, end, at = seq.num_cached, seq.num_cached + n, self.snapshot_at(seq)
+        if start < at < end:
+            return at - start
+        if end < at:
+            aligned = end // self.blocks.page_size * self.blocks.page_size
+            if aligned > start:
+                return aligned - start
+        return n
 
     def finish(self, seq: Sequence, reason: str) -> None:
         # Also the abort path of a sequence still waiting or still prefilling.

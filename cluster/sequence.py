@@ -28,6 +28,15 @@ class Sequence:
     num_cached: int = 0
     block_table: list[int] = field(default_factory=list)
     state_slot: int = -1
+    # The prefix cache's (cluster/prefix_cache.py): prompt tokens its hit spared it, the
+    # snapshot slot its first chunk restores, the chain keys of its full prompt pages (made
+    # once), the pages known to the cache from the first (its hit's, then those it entered),
+    # and the key of its newest snapshot.
+    num_cached_tokens: int = 0
+    restore_slot: int | None = None
+    prompt_keys: list[bytes] | None = None
+    page_keys: list[bytes] = field(default_factory=list)
+    last_snapshot: bytes | None = None
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per round
     num_streamed: int = 0  # output tokens already handed to the caller
     # params.logprobs: one per output token; params.prompt_logprobs: one per prompt token

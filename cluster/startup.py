@@ -11,13 +11,19 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from cluster.executor import LocalExecutor
-from configs.engine import EngineConfig
+from configs.engine import (
+    CPU_SNAPSHOTS_PER_SEQ,
+    MAX_SNAPSHOTS,
+    PREFIX_STATE_FRACTION,
+    EngineConfig,
+)
 from configs.model import TargetConfig
 from draft.actor import DraftWorker
 from draft.config import DraftConfig
 from target.kernels import selection
 from target.kernels.attention import backend_name
-from workers.memory import MemoryProfile, plan_num_pages
+from workers.cache import state_slot_bytes
+from workers.memory import MemoryProfile, plan_num_pages, plan_snapshots
 from workers.worker import TargetWorker
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,10 @@ class EnginePlan:
     # KV pages per rank. None: measured at start-up (GPU), see workers/memory.py.
     num_pages: int | None
     min_pages: int  # pages one full-length sequence (+ a verify block) reaches
+    # The prefix cache's state snapshot slots per target rank (their ids follow the running
+    # sequences' slots and the CUDA graphs' padding slot: `snapshot_slots`); 0 without prefix
+    # caching. None: measured at start-up with the pages.
+    num_snapshots: int | None = 0
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
@@ -78,15 +88,35 @@ class EnginePlan:
         num_pages = cfg.num_pages
         if num_pages is None and not cfg.device.startswith("cuda"):
             num_pages = cfg.max_num_seqs * pages_per_seq  # CPU: nothing to measure
-        return cls(tcfg, dcfg, block, max_model_len, num_pages, pages_per_seq)
+        snapshots: int | None = 0
+        if cfg.enable_prefix_caching and tcfg.linear_attention_layers:
+            if num_pages is None:
+                snapshots = None  # measured with the pages
+            elif cfg.prefix_cache_state_gb is not None:
+                snapshots = min(MAX_SNAPSHOTS, int(cfg.prefix_cache_state_gb * (1 << 30)
+                                                   // state_slot_bytes(tcfg, cfg.torch_dtype)))
+            else:
+                snapshots = CPU_SNAPSHOTS_PER_SEQ * cfg.max_num_seqs
+        return cls(tcfg, dcfg, block, max_model_len, num_pages, pages_per_seq, snapshots)
 
-    def with_measured_pages(self, profiles: list[MemoryProfile | None],
-                            max_num_seqs: int) -> EnginePlan:
+    def with_measured_pages(self, profiles: list[MemoryProfile | None], max_num_seqs: int,
+                            state_gb: float | None = None) -> EnginePlan:
+        """The page count (and the snapshots', where they are measured too) from the
+        processes' memory profiles; `state_gb`: EngineConfig.prefix_cache_state_gb."""
         if self.num_pages is not None:
             return self
         measured = [p for p in profiles if p is not None]
-        num_pages = plan_num_pages(measured, max_num_seqs, self.min_pages)
-        return replace(self, num_pages=num_pages)
+        snapshots = self.num_snapshots
+        if snapshots is None:
+            snapshots = plan_snapshots(measured, max_num_seqs, state_gb,
+                                       PREFIX_STATE_FRACTION, MAX_SNAPSHOTS)
+        num_pages = plan_num_pages(measured, max_num_seqs + snapshots, self.min_pages)
+        return replace(self, num_pages=num_pages, num_snapshots=snapshots)
+
+    def snapshot_slots(self, max_num_seqs: int) -> list[int]:
+        """The snapshot slots' ids on the target ranks: after the running sequences' slots
+        and the padding slot of the CUDA graphs (max_num_seqs)."""
+        return list(range(max_num_seqs + 1, max_num_seqs + 1 + (self.num_snapshots or 0)))
 
 
 class Members(Protocol):
@@ -123,20 +153,22 @@ def start_parts(parts: EngineParts, cfg: EngineConfig, plan: EnginePlan) -> Engi
         if parts.draft is not None:  # after the target's: colocated, both measure one GPU
             profiles += parts.draft.call("profile", plan.max_model_len)
         peaks = [p.activation_peak for p in profiles if p is not None]
-        plan = plan.with_measured_pages(profiles, cfg.max_num_seqs)
+        plan = plan.with_measured_pages(profiles, cfg.max_num_seqs, cfg.prefix_cache_state_gb)
         if peaks:  # rank 0's GPU (the draft's pages too where it shares it)
             gpu0 = next(p.gpu_id for p in profiles if p is not None)
             kv_bytes = sum(p.bytes_per_page for p in profiles
                            if p is not None and p.gpu_id == gpu0)
             log.info("measured activation peaks of the largest steps at %d tokens of context: "
                      "%s GiB", plan.max_model_len, ", ".join(f"{p / 2**30:.2f}" for p in peaks))
-    for members in (parts.targets, parts.draft):
-        if members is not None:
-            members.call("allocate", plan.num_pages, plan.max_model_len)
+    parts.targets.call("allocate", plan.num_pages, plan.max_model_len, plan.num_snapshots)
+    if parts.draft is not None:
+        parts.draft.call("allocate", plan.num_pages, plan.max_model_len)
     size = f", {plan.num_pages * kv_bytes / 2**30:.2f} GiB per GPU" if kv_bytes else ""
     log.info("memory plan: KV cache %d pages of %d tokens (%d tokens%s), max_model_len %d, "
-             "max_num_seqs %d", plan.num_pages, cfg.page_size, plan.num_pages * cfg.page_size,
-             size, plan.max_model_len, cfg.max_num_seqs)
+             "max_num_seqs %d, prefix cache %s", plan.num_pages, cfg.page_size,
+             plan.num_pages * cfg.page_size, size, plan.max_model_len, cfg.max_num_seqs,
+             f"on ({plan.num_snapshots} state snapshots)" if cfg.enable_prefix_caching
+             else "off")
     log.info("kernels: attention %s, experts %s, routing %s, recurrence %s",
              backend_name(cfg.device, cfg.torch_dtype,
                           selection.attention_kernel(cfg.kernels, cfg.device)),

@@ -188,6 +188,12 @@ def check_load_format(value: str) -> str:
 
 DRAFT_PLACEMENTS = ("colocated", "separate")
 CONTROL_CHANNELS = ("auto", "shm", "tcp")
+# The prefix cache's state snapshots by default: this share of the memory a GPU has left for
+# caches (after weights, activations and the running sequences' state slots), at most
+# MAX_SNAPSHOTS; on CPU this many per max_num_seqs.
+PREFIX_STATE_FRACTION = 0.1
+MAX_SNAPSHOTS = 4096
+CPU_SNAPSHOTS_PER_SEQ = 4
 CONTROL_SPIN_US = 50_000
 SPIN_MIN_CPUS = 8
 @dataclass(frozen=True)
@@ -237,6 +243,15 @@ class EngineConfig:
     # gdn_rounds): to compare a variant with the defaults (tools/golden_check.py), or to step
     # around a kernel. "": the defaults, the paths measured fastest.
     kernel_overrides: str = ""
+    # Prefix caching (cluster/prefix_cache.py; vLLM's name): full KV pages shared by content
+    # and Gated DeltaNet state snapshots at page boundaries, so a prompt that starts as an
+    # earlier one did prefills only the rest.
+    enable_prefix_caching: bool = True
+    # The snapshots' memory per GPU in GiB (each one every linear-attention layer's state of
+    # one sequence: ~63 MB for 35B-A3B at TP 1). None: PREFIX_STATE_FRACTION of the memory
+    # left for caches on a GPU; on CPU, where nothing is measured, CPU_SNAPSHOTS_PER_SEQ ×
+    # max_num_seqs snapshots.
+    prefix_cache_state_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -274,6 +289,15 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got "
+                             f"{self.enable_prefix_caching!r}")
+        if self.prefix_cache_state_gb is not None and not (
+                isinstance(self.prefix_cache_state_gb, (int, float))
+                and not isinstance(self.prefix_cache_state_gb, bool)
+                and 0 <= self.prefix_cache_state_gb < float("inf")):
+            raise ValueError(f"prefix_cache_state_gb must be a number of GiB >= 0, got "
+                             f"{self.prefix_cache_state_gb!r}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"

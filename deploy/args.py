@@ -113,6 +113,12 @@ class ServeArgs:
                                 "--num-kv-blocks")
     gpu_memory_utilization: float = arg(
         0.9, "share of each GPU for weights, activations and the KV cache")
+    enable_prefix_caching: bool = arg(
+        True, "reuse the KV pages and Gated DeltaNet state of prompt prefixes earlier requests "
+        "computed (--no-enable-prefix-caching: off)")
+    prefix_cache_state_gb: float | None = arg(
+        None, "GiB per GPU for the prefix cache's state snapshots (default: a tenth of the memory "
+        "left for caches; on CPU 4 x max-num-seqs snapshots)")
     max_waiting: int | None = arg(
         None, "requests queued for admission before 429 (default 4 x max-num-seqs)")
     max_request_bytes: int = arg(DEFAULT_MAX_REQUEST_BYTES,

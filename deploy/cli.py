@@ -321,8 +321,8 @@ def add_serve_args(parser: argparse.ArgumentParser,
             kw["default"] = os.environ.get(API_KEY_ENV) or None
         else:
             kw["default"] = f.default_factory() if f.default is MISSING else f.default
-        if f.type == "bool":
-            kw["action"] = "store_true"
+        if f.type == "bool":  # on by default: --no-NAME turns it off, as vLLM's flags
+            kw["action"] = argparse.BooleanOptionalAction if kw["default"] else "store_true"
         elif f.type == "list[str]":
             kw["type"] = _json_list
         elif f.type == "dict | None":

@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from deploy.detokenizer import TextStream
 from deploy.engine_client import RequestStream, RequestTiming
-from deploy.protocol import Usage
+from deploy.protocol import PromptTokensDetails, Usage
 from workers.logprobs import TokenLogprob
 
 T = TypeVar("T")
@@ -86,6 +86,11 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine's prefix cache spared (not prefilled)."""
+        return self._first.num_cached_tokens if self._first is not None else 0
+
 
 def prompts_of(gens: list[Generation]) -> list[list[int]]:
     """The distinct prompts (a prompt's n choices share its one id list)."""
@@ -93,10 +98,16 @@ def prompts_of(gens: list[Generation]) -> list[list[int]]:
 
 
 def usage(gens: list[Generation]) -> Usage:
-    """Each prompt counts once however many choices it has; every choice's tokens count."""
+    """Each prompt counts once however many choices it has; every choice's tokens count. A
+    prompt's cached tokens are the fewest any of its choices had from the prefix cache."""
     n = sum(map(len, prompts_of(gens)))
     m = sum(g.completion_tokens for g in gens)
-    return Usage(prompt_tokens=n, completion_tokens=m, total_tokens=n + m)
+    cached: dict[int, int] = {}
+    for g in gens:
+        cached[id(g.prompt_ids)] = min(cached.get(id(g.prompt_ids), g.cached_tokens),
+                                       g.cached_tokens)
+    return Usage(prompt_tokens=n, completion_tokens=m, total_tokens=n + m,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
 
 
 async def start_all(gens: list[Generation]) -> None:

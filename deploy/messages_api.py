@@ -196,7 +196,10 @@ class MessageWriter:
         return {"id": "msg_" + request_id.removeprefix("msg-"), "type": "message",
                 "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop[0], "stop_sequence": stop[1],
-                "usage": {"input_tokens": len(gen.prompt_ids), "output_tokens": output_tokens}}
+                # Anthropic's input_tokens leave out those read from the cache
+                "usage": {"input_tokens": len(gen.prompt_ids) - gen.cached_tokens,
+                          "cache_read_input_tokens": gen.cached_tokens,
+                          "cache_creation_input_tokens": 0, "output_tokens": output_tokens}}
 
     async def complete(self, req: ChatCompletionRequest, request_id: str,
                        gens: list[Generation], echoes: list[str | None]) -> dict:

@@ -25,6 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
+from cluster.prefix_cache import PrefixCacheSnapshot
 from cluster.stats import TimeHistogram
 from deploy.engine_client import EngineSnapshot, RequestTiming
 
@@ -50,6 +51,11 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
                                            "vllm:time_per_output_token_seconds"),
     "dflash_request_prompt_tokens": ("vllm:request_prompt_tokens",),
     "dflash_request_generation_tokens": ("vllm:request_generation_tokens",),
+    # vLLM counts prompt tokens looked up and hit (prefix_cache_queries/hits); its V0 engine's
+    # hit-rate gauge had the older name
+    "dflash_prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "dflash_prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "dflash_prefix_cache_hit_rate": ("vllm:gpu_prefix_cache_hit_rate",),
     "dflash_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
     "dflash_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
     "dflash_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
@@ -167,6 +173,35 @@ def _histogram(name: str, doc: str, h: TimeHistogram, model: str) -> HistogramMe
     return family
 
 
+def _prefix_cache(p: PrefixCacheSnapshot, m: str) -> Iterator[Metric]:
+    yield _one(CounterMetricFamily, "dflash_prefix_cache_queries",
+               "Prompt tokens looked up in the prefix cache", m, p.query_tokens)
+    yield _one(CounterMetricFamily, "dflash_prefix_cache_hits",
+               "Prompt tokens served from the prefix cache (not prefilled)", m, p.hit_tokens)
+    yield _one(CounterMetricFamily, "dflash_prefix_cache_query_requests",
+               "Prompts looked up in the prefix cache", m, p.queries)
+    yield _one(CounterMetricFamily, "dflash_prefix_cache_hit_requests",
+               "Prompts that hit the prefix cache", m, p.hits)
+    yield _one(GaugeMetricFamily, "dflash_prefix_cache_hit_rate",
+               "Prompt tokens served from the prefix cache / prompt tokens looked up (0..1)",
+               m, p.hit_tokens / p.query_tokens if p.query_tokens else 0.0)
+    yield _one(GaugeMetricFamily, "dflash_prefix_cache_pages",
+               "KV pages the prefix cache holds, in use or evictable", m, p.cached_pages)
+    yield _one(GaugeMetricFamily, "dflash_prefix_cache_snapshots",
+               "Gated DeltaNet state snapshots held", m, p.snapshots)
+    yield _one(GaugeMetricFamily, "dflash_prefix_cache_snapshot_slots",
+               "Snapshot pool size", m, p.snapshot_slots)
+    yield _one(GaugeMetricFamily, "dflash_prefix_cache_snapshot_bytes",
+               "Memory the held snapshots take on a TP-1 rank", m,
+               p.snapshots * p.snapshot_bytes)
+    evictions = CounterMetricFamily("dflash_prefix_cache_evictions",
+                                    "Cached pages and snapshots evicted, by kind",
+                                    labels=["model_name", "kind"])
+    evictions.add_metric([m, "page"], p.page_evictions)
+    evictions.add_metric([m, "snapshot"], p.snapshot_evictions)
+    yield evictions
+
+
 def _one(kind, name: str, doc: str, model: str, value: float) -> Metric:
     family = kind(name, doc, labels=["model_name"])
     family.add_metric([model], value)
@@ -214,6 +249,8 @@ class _EngineCollector:
             labels=["model_name"])
         length.add_metric([m], [*buckets, ("+Inf", acc.rounds)], acc.tokens)
         yield length
+        if s.prefix_cache is not None:
+            yield from _prefix_cache(s.prefix_cache, m)
         if s.draft_time_per_round is not None:
             yield _histogram("dflash_draft_time_per_round_seconds",
                              "Wall time of one draft proposal, where the draft runs",

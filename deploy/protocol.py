@@ -616,10 +616,15 @@ def value_error(e: ValueError) -> RequestError:
 # ---- responses -------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class _Response(BaseModel):

@@ -137,5 +137,6 @@ def response_usage(gen: Generation, reasoning: bool, reasoning_ends: dict[int, i
     thought = 0 if not reasoning else next(
         (i + reasoning_ends[t] for i, t in enumerate(gen.token_ids) if t in reasoning_ends), m)
     return {"input_tokens": n, "output_tokens": m, "total_tokens": n + m,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": gen.cached_tokens,
+                                     "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": thought}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from configs.model import TargetConfig
 from target.batch import TargetCaches
 from target.model import Qwen3_5MoeForCausalLM
 
@@ -50,3 +51,14 @@ def bytes_per_state_slot(model: Qwen3_5MoeForCausalLM) -> int:
     conv = shapes["conv"][0] * shapes["conv"][1] * elem
     ssm = shapes["ssm"][0] * shapes["ssm"][1] * shapes["ssm"][2] * 4
     return n * (conv + ssm)
+
+
+def state_slot_bytes(cfg: TargetConfig, dtype: torch.dtype) -> int:
+    """bytes_per_state_slot at TP 1 from the config alone (the conv state in the model's dtype
+    over q, k and v, the recurrent state in fp32): where no model is at hand."""
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    elem = torch.tensor([], dtype=dtype).element_size()
+    conv = (2 * key + value) * (cfg.linear_conv_kernel_dim - 1) * elem
+    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return len(cfg.linear_attention_layers) * (conv + ssm)

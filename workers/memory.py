@@ -51,6 +51,27 @@ def cache_budget(device: torch.device, utilization: float) -> int:
     return int(total * utilization) - (total - free)
 
 
+def plan_snapshots(profiles: list[MemoryProfile], num_slots: int, state_gb: float | None,
+                   fraction: float, cap: int) -> int:
+    """The prefix cache's state snapshots every GPU can hold: `state_gb` GiB of them per GPU,
+    or `fraction` of what a GPU has left for caches once its processes have their running
+    state slots and activation headroom; the fewest over GPUs, at most `cap`. 0 where no
+    process keeps recurrent state."""
+    by_gpu: dict[str, list[MemoryProfile]] = {}
+    for p in profiles:
+        by_gpu.setdefault(p.gpu_id, []).append(p)
+    counts = []
+    for procs in by_gpu.values():
+        slot = sum(p.bytes_per_slot for p in procs)
+        if not slot:
+            continue
+        budget = min(p.cache_budget for p in procs)
+        left = budget - sum(p.activation_peak + num_slots * p.bytes_per_slot for p in procs)
+        want = state_gb * (1 << 30) if state_gb is not None else fraction * max(left, 0)
+        counts.append(int(want // slot))
+    return min([cap, *counts]) if counts else 0
+
+
 def plan_num_pages(profiles: list[MemoryProfile], num_slots: int, min_pages: int) -> int:
     """Pages every GPU can hold once each of its processes has its state slots and activation
     headroom. Raises ValueError (the tightest GPU's figures, and what to change) when one

@@ -65,6 +65,12 @@ class StepMsg:
     new_seqs: list[NewSeq] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # seq ids finished since the last step
     call: tuple[str, tuple] | None = None  # CALL: (method, args)
+    # PREFILL, the prefix cache's state copies (cluster/prefix_cache.py), each (from slot,
+    # to slot) over every linear-attention layer's conv and recurrent state: before the
+    # forward a hit's snapshot into its sequence's slot, after it a sequence's state into a
+    # snapshot slot (its chunk ends where the snapshot is taken)
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

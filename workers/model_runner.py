@@ -130,6 +130,20 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Each (from slot, to slot): every linear-attention layer's conv and recurrent state
+        copied, on the device in stream order (the prefix cache's snapshots and restores)."""
+        if not pairs:
+            return
+        dev = next(iter(self.caches.ssm.values())).device if self.caches.ssm else None
+        if dev is None:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=dev)
+        dst = torch.tensor([b for _, b in pairs], device=dev)
+        for t in (*self.caches.conv.values(), *self.caches.ssm.values()):
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+    @torch.inference_mode()
     def prefill(self, seqs: list[SeqInput]) -> StepOutput:
         """Each seq's token_ids = prompt_ids[start_pos : start_pos + n]. A chunk with
         start_pos > 0 attends over the KV pages and continues from the GDN state of the chunks

@@ -28,6 +28,8 @@ class TargetRunner(Protocol):
 
     def release(self, seq_id: int) -> None: ...
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None: ...
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -82,6 +84,7 @@ class TargetStepper:
         seqs = [self.table.seqs[i] for i in msg.seq_ids]
         tables = self.table.tables(msg)
         if msg.kind is StepKind.PREFILL:
+            self.runner.copy_states(msg.restores)
             out = self.runner.prefill([
                 SeqInput(s.seq_id, s.prompt_ids[start : start + n], start, s.block_table,
                          s.state_slot, s.params, sample=sample,
@@ -90,6 +93,7 @@ class TargetStepper:
                          controls=self.controls.get(s.seq_id))
                 for s, start, n, sample, t in zip(seqs, msg.starts, msg.chunk_lens,
                                                   msg.samples, tables, strict=True)])
+            self.runner.copy_states(msg.snapshots)
         elif msg.kind is StepKind.ROUND:
             drafts = drafts if drafts is not None else [[]] * len(seqs)
             out = self.runner.verify([

@@ -162,16 +162,19 @@ class TargetWorker(StepLoopEnds):
                              dtype=model.dtype, device=self.device)
         torch.softmax(model.compute_logits(hidden).float(), dim=-1)
 
-    def allocate(self, num_pages: int, max_model_len: int) -> None:
+    def allocate(self, num_pages: int, max_model_len: int, num_snapshots: int = 0) -> None:
         """Caches and runner; on CUDA (unless enforce_eager) rounds replay CUDA graphs with the
         elementwise chains compiled (target/kernels/fused.py), and the caches hold scratch
         pages and a scratch state slot for their padding sequences. `max_model_len`: the
-        plan's (cluster/startup.py), which bounds the captured tables' width."""
+        plan's (cluster/startup.py), which bounds the captured tables' width; `num_snapshots`:
+        the prefix cache's state snapshot slots, after the padding slot
+        (EnginePlan.snapshot_slots)."""
         cfg, page_size = self.cfg, self.cfg.page_size
         graphs = self._graphs()
         scratch = num_scratch_pages(MAX_GRAPH_WIDTH, page_size) if graphs else 0
         caches = allocate_target_caches(self.model, num_pages + scratch, page_size,
-                                        cfg.max_num_seqs + int(graphs), self.device)
+                                        cfg.max_num_seqs + int(graphs or num_snapshots > 0)
+                                        + num_snapshots, self.device)
         round_graphs = None
         if graphs:  # (the elementwise chains compile with them: set_kernels in init_model)
             round_graphs = RoundGraphs(

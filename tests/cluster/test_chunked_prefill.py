@@ -140,7 +140,7 @@ def test_long_prompt_joining_running_streams(tiny_demo, reference):
 def test_abort_mid_prefill_returns_pages_and_slot(tiny_demo, reference):
     prompts, params, want = reference
     eng = engine(*tiny_demo, 4, max_num_batched_tokens=BUDGET)
-    free_blocks, free_slots = len(eng.blocks.free_blocks), len(eng.blocks.free_slots)
+    free_blocks, free_slots = eng.blocks.num_free_pages, len(eng.blocks.free_slots)
     long = eng.add_request(prompts[2], params[2])  # 40 tokens: 6 chunks
     short = eng.add_request(prompts[1], params[1])
     assert eng.step() == []  # a first chunk: nothing to report
@@ -151,5 +151,5 @@ def test_abort_mid_prefill_returns_pages_and_slot(tiny_demo, reference):
     while eng.has_unfinished():
         outs |= {o.request_id: o for o in eng.step() if o.finished}
     assert list(outs) == [short] and outs[short].output_ids == want[1]
-    assert len(eng.blocks.free_blocks) == free_blocks
+    assert eng.blocks.num_free_pages == free_blocks
     assert len(eng.blocks.free_slots) == free_slots

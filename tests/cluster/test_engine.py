@@ -130,16 +130,16 @@ def test_stop_conditions(demo_reference):
 def test_resources_return_after_finish_and_abort(demo_reference):
     prompts, params, _ = demo_reference
     eng = engine(DEMO / "target", DEMO / "draft", 4)
-    free_blocks, free_slots = len(eng.blocks.free_blocks), len(eng.blocks.free_slots)
+    free_blocks, free_slots = eng.blocks.num_free_pages, len(eng.blocks.free_slots)
     rid = eng.add_request(prompts[0], SamplingParams(max_tokens=30, ignore_eos=True))
     eng.add_request(prompts[1], SamplingParams(max_tokens=3))
     eng.step()
     eng.step()
-    assert len(eng.blocks.free_blocks) < free_blocks
+    assert eng.blocks.num_free_pages < free_blocks
     eng.abort(rid)
     while eng.has_unfinished():
         eng.step()
-    assert len(eng.blocks.free_blocks) == free_blocks
+    assert eng.blocks.num_free_pages == free_blocks
     assert len(eng.blocks.free_slots) == free_slots
     assert not eng.executor.runner.generators
 
@@ -211,7 +211,7 @@ def test_warm_up_chunks_a_prompt_runs_rounds_and_leaves_no_trace(demo_reference)
     eng.warm_up()
     assert eng.warmup["requests"] == 1 and eng.warmup["steps"] >= 4  # 2 chunks, rounds, drop
     assert eng.stats.rounds == 0 and eng.verify_time.count == 0
-    assert len(eng.blocks.free_blocks) == eng.blocks.num_pages and not eng.has_unfinished()
+    assert eng.blocks.num_free_pages == eng.blocks.num_pages and not eng.has_unfinished()
     assert [o.output_ids for o in eng.generate(prompts, params)] == want
 
 
@@ -239,13 +239,13 @@ def test_a_request_whose_sampling_fails_fails_alone(monkeypatch, phase):
     want = engine(DEMO / "target", *draft).generate(prompts, params)
     monkeypatch.setattr(sampling, "probs_from_logits", probs_from_logits)
     eng = engine(DEMO / "target", *draft)
-    free = len(eng.blocks.free_blocks)
+    free = eng.blocks.num_free_pages
     got = eng.generate(prompts, params)
     assert got[2].finish_reason == "error" and "planted sampling failure" in got[2].error
     if phase == "prefill":
         assert got[2].output_ids == []
     for i in (0, 1, 3):
         assert got[i].output_ids == want[i].output_ids and got[i].finish_reason == "length"
-    assert not eng.has_unfinished() and len(eng.blocks.free_blocks) == free
+    assert not eng.has_unfinished() and eng.blocks.num_free_pages == free
     again = eng.generate([prompts[0]], params[0])[0]
     assert again.output_ids == want[0].output_ids

@@ -61,6 +61,10 @@ def assert_equals_target_only(cluster: RayEngineCluster, reference, tp: int, dra
     assert cluster.channel_kind == ("shm" if channel == "auto" else channel)
     outs = cluster.engine.generate(prompts, params)
     assert [o.output_ids for o in outs] == want
+    # again, from the prefix cache: the snapshots restored on every rank
+    again = cluster.engine.generate(prompts, params)
+    assert [o.output_ids for o in again] == want
+    assert sum(o.num_cached_tokens > 0 for o in again) >= len(prompts) // 2
     if draft:
         assert cluster.engine.stats.accepted_at[0] > 0
     bundles = cluster.pg.bundle_specs

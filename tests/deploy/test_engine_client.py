@@ -55,7 +55,7 @@ async def collect(client, request_id, prompt, params, timing=None):
 
 
 def assert_idle(engine: LLMEngine) -> None:
-    assert len(engine.blocks.free_blocks) == engine.blocks.num_pages
+    assert engine.blocks.num_free_pages == engine.blocks.num_pages
     assert len(engine.blocks.free_slots) == engine.blocks.num_slots
     assert not engine.has_unfinished()
 
@@ -110,7 +110,7 @@ def test_abort_and_closing_the_stream_free_pages_and_slot(client):
         # one published before "b" started, so wait for the pages themselves to come back.
         blocks = client.engine.blocks
         for _ in range(1000):
-            if len(blocks.free_blocks) == blocks.num_pages and client.snapshot().running == 0:
+            if blocks.num_free_pages == blocks.num_pages and client.snapshot().running == 0:
                 break
             await asyncio.sleep(0.01)
 

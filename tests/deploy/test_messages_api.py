@@ -60,7 +60,9 @@ def view(message) -> dict:
     assert message.id.startswith("msg_") and message.type == "message"
     return {"content": blocks, "role": message.role, "model": message.model,
             "stop_reason": message.stop_reason, "stop_sequence": message.stop_sequence,
-            "usage": (message.usage.input_tokens, message.usage.output_tokens)}
+            # Anthropic's input_tokens leave out those read from the cache
+            "usage": (message.usage.input_tokens + message.usage.cache_read_input_tokens,
+                      message.usage.output_tokens)}
 
 
 RAW_EVENTS = {"message_start": "M", "content_block_start": "(", "content_block_delta": "d",
@@ -164,7 +166,7 @@ def test_a_conversation_with_tools_renders_as_its_openai_equivalent(server, clau
             chat_template_kwargs={"enable_thinking": False})
     m = claude.messages.create(model=MODEL, system="Be brief.", messages=messages, tools=TOOLS,
                                tool_choice={"type": "none"}, max_tokens=1)
-    assert m.usage.input_tokens == want
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want
 
 
 def test_a_stop_sequence_ends_the_message_with_it(claude, plain):

@@ -479,6 +479,29 @@ def test_metrics_report_latency_and_acceptance(server, oai):
         ("dflash_generation_tokens_total", ())]
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, oai):
+    """The same greedy completion twice: the second prefills only the prompt's last page's
+    tokens, answers the same, and says so in usage and /metrics (vLLM's names too)."""
+    prompt = "A prefix cache keeps the pages of earlier prompts for later ones. " * 3
+    before = metrics(server)
+    runs = [oai.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY,
+                                   extra_body={"ignore_eos": True}) for _ in range(2)]
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+    n = runs[0].usage.prompt_tokens
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in runs]
+    assert cached[0] == 0 and 0 < n - cached[1] <= 8  # the demo server's pages hold 8 tokens
+    after = metrics(server)
+    for ours, vllm, grew in (("dflash_prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
+                              cached[1]),
+                             ("dflash_prefix_cache_queries_total",
+                              "vllm:prefix_cache_queries_total", 2 * n),
+                             ("dflash_prefix_cache_hit_requests_total", None, 1)):
+        assert after[(ours, ())] - before.get((ours, ()), 0) == grew, ours
+        assert vllm is None or after[(vllm, ())] == after[(ours, ())]
+    assert 0 < after[("dflash_prefix_cache_hit_rate", ())] <= 1
+    assert after[("dflash_prefix_cache_snapshots", ())] > 0
+
+
 def test_oversized_requests_are_refused_before_they_are_read_or_tokenized(server, oai):
     """A body over max_request_bytes is a 413 (by its Content-Length, or while it streams in
     without one); a text prompt that cannot fit the context is a 400 before tokenizing."""

@@ -46,11 +46,14 @@ def server(long_server):
 
 
 def comparable(response) -> dict:
-    """A response without what differs between two runs (ids, also the calls', and times)
-    nor what the SDK's stream helper adds (parsed)."""
+    """A response without what differs between two runs (ids, also the calls', times, and
+    the prompt tokens a later run has from the prefix cache) nor what the SDK's stream helper
+    adds (parsed)."""
     d = response.model_dump(mode="json")
     for key in ("id", "created_at", "completed_at"):
         d.pop(key)
+    if d.get("usage"):
+        d["usage"]["input_tokens_details"].pop("cached_tokens")
     d["output"] = [{k: v for k, v in item.items()
                     if k not in ("id", "call_id", "parsed_arguments")} for item in d["output"]]
     for item in d["output"]:

@@ -68,6 +68,21 @@ def test_memory_share_reaches_the_engine(tiny_demo):
     assert cfg.gpu_memory_utilization == 0.5
 
 
+def test_prefix_caching_flags_reach_the_engine(tiny_demo):
+    from deploy.cli import parse_args, serve_args
+
+    target, _ = map(str, tiny_demo)
+    assert ServeArgs(model=target).engine_config().enable_prefix_caching  # on by default
+    for flags, on in (([], True), (["--enable-prefix-caching"], True),
+                      (["--no-enable-prefix-caching"], False)):
+        args = serve_args(parse_args(["serve", target, "--device", "cpu", *flags]))
+        assert args.engine_config().enable_prefix_caching is on
+    cfg = ServeArgs.from_dict({"model": target, "prefix_cache_state_gb": 0.5}).engine_config()
+    assert cfg.prefix_cache_state_gb == 0.5
+    with pytest.raises(ValueError, match="prefix_cache_state_gb"):
+        ServeArgs.from_dict({"model": target, "prefix_cache_state_gb": -1}).engine_config()
+
+
 def test_load_format_reaches_the_engine_and_is_checked(tiny_demo):
     target, _ = map(str, tiny_demo)
     cfg = ServeArgs.from_dict({"model": target, "load_format": "dummy"}).engine_config()

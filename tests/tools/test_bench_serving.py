@@ -118,3 +118,22 @@ def test_long_prompts_with_short_streams_beside_each(base_url, tmp_path):
     short = r["short"]
     assert short["requests"] >= 2 and short["ok"] == short["requests"] and not short["errors"]
     assert 0 < short["gap_median_ms"] <= short["gap_max_ms"]
+
+
+def test_the_prefix_cache_workloads_report_cached_tokens(base_url, tmp_path):
+    common = ["--base-url", base_url, "--output-len", "8", "--out-dir", str(tmp_path)]
+    turns = serving.main([*common, "--workload", "multi-turn", "--history-len", "40",
+                          "--turns", "3", "--turn-len", "10"])["multi-turn"]["turns"]
+    assert [t["prompt_tokens"] for t in turns] == [50, 68, 86]  # + 10 new and 8 answered
+    # a turn hits at the previous prompt's last page boundary before its last token (pages
+    # of 8): everything the previous turn sent but its last page's tokens
+    assert [t["cached_tokens"] for t in turns] == [0, 48, 64]
+    shared = serving.main([*common, "--workload", "shared-prefix", "--num-prompts", "5",
+                           "--shared-len", "48", "--question-len", "6", "--concurrency",
+                           "1", "--seed", "1"])["shared-prefix"]
+    assert (shared["requests"], shared["errors"], shared["prompt_tokens"]) == (5, 0, 5 * 54)
+    # the first request snapshots the shared prompt where its chunk ends (its last page
+    # boundary, 48); each later one starts there
+    assert [r["cached_tokens"] for r in shared["per_request"]] == [0, 48, 48, 48, 48]
+    saved = json.loads((tmp_path / "shared-prefix.json").read_text())
+    assert saved["command"].startswith("python -m bench.serving") and saved["model"] == MODEL

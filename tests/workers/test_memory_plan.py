@@ -7,7 +7,7 @@ import pytest
 
 from cluster.engine import EnginePlan
 from configs.engine import EngineConfig
-from workers.memory import MemoryProfile, plan_num_pages
+from workers.memory import MemoryProfile, plan_num_pages, plan_snapshots
 
 MiB = 1 << 20
 
@@ -96,3 +96,30 @@ def test_the_profiled_steps_are_the_largest_at_the_longest_context(tiny_demo, mo
                           worker.device)
     drafter.largest_steps(1000)
     assert proposals == [[996] * 3]
+
+
+def test_the_prefix_caches_snapshots_come_out_of_the_cache_memory(tiny_demo):
+    rank0 = MemoryProfile("gpu0", cache_budget=1000 * MiB, activation_peak=100 * MiB,
+                          bytes_per_page=MiB, bytes_per_slot=2 * MiB)
+    draft = MemoryProfile("gpu0", cache_budget=990 * MiB, activation_peak=40 * MiB,
+                          bytes_per_page=MiB // 2, bytes_per_slot=0)
+    # a tenth of gpu0's (990 − 100 − 40 − 10·2) MiB, 2 MiB a snapshot; or 0.1 GiB of them
+    assert plan_snapshots([rank0, draft], 10, None, 0.1, 4096) == 41
+    assert plan_snapshots([rank0, draft], 10, 0.1, 0.1, 4096) == 51
+    assert plan_snapshots([rank0, draft], 10, None, 0.1, 20) == 20
+    assert plan_snapshots([draft], 10, None, 0.1, 4096) == 0  # no recurrent state
+
+    target, _ = map(str, tiny_demo)
+    gpu = EnginePlan.from_config(EngineConfig(model=target, device="cuda", max_num_seqs=10,
+                                              max_model_len=100))
+    assert gpu.num_snapshots is None  # measured with the pages
+    planned = gpu.with_measured_pages([rank0, draft], 10)
+    assert planned.num_snapshots == 41
+    # the pages get what the snapshots leave: (830 − 41·2) MiB over 1.5 MiB a page
+    assert planned.num_pages == (830 - 82) * 2 // 3
+    assert planned.snapshot_slots(10) == list(range(11, 52))
+    cpu = EnginePlan.from_config(EngineConfig(model=target, max_num_seqs=3, max_model_len=100))
+    assert cpu.num_snapshots == 12  # 4 per max_num_seqs on CPU
+    off = EnginePlan.from_config(EngineConfig(model=target, max_num_seqs=3, max_model_len=100,
+                                              enable_prefix_caching=False))
+    assert off.num_snapshots == 0 and off.snapshot_slots(3) == []
