@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cluster.block_manager import BlockManager
 from cluster.executor import Executor
-from cluster.prefix_cache import PrefixCache, PrefixCacheSnapshot, page_keys
+from cluster.prefix_cache import PrefixCache, PrefixCacheSnapshot, PrefixCacheStats, page_keys
 from cluster.scheduler import ScheduledStep, Scheduler
 from cluster.sequence import Sequence
 from cluster.startup import EnginePlan, start_in_process
@@ -323,10 +323,10 @@ class LLMEngine:
             seq.prompt_keys = page_keys(seq.prompt_ids, page)
         keys = seq.prompt_keys[first:full]
         if len(seq.page_keys) + len(keys) < full:  # pages past the prompt: its output's
-            tokens = (seq.prompt_ids + seq.output_ids + list(accepted))[: full * page]
             known = first + len(keys)
             parent = keys[-1] if keys else seq.page_keys[-1] if seq.page_keys else b""
-            keys = keys + page_keys(tokens, page, parent, known)
+            keys = keys + page_keys(_tokens(seq, accepted, known * page, full * page), page,
+                                    parent)
         self.prefix.enter_pages(keys, seq.block_table[first:full])
         seq.page_keys += keys
 
@@ -436,6 +436,8 @@ class LLMEngine:
                 requests += self._warm([[(1 + i) % vocab] * page_size for i in range(n)],
                                        params)
         self.stats, self.draft_time, self.verify_time = stats
+        if self.prefix is not None:  # its entries stay (harmless), its counts start now
+            self.prefix.stats = PrefixCacheStats()
         self.warmup = {"requests": requests, "steps": self.num_steps - first_step,
                        "seconds": time.perf_counter() - t}
 
@@ -451,3 +453,14 @@ class LLMEngine:
     def _next_step_id(self) -> int:
         self.num_steps += 1
         return self.num_steps - 1
+
+
+def _tokens(seq: Sequence, accepted: list[int], lo: int, hi: int) -> list[int]:
+    """The sequence's tokens at positions lo … hi − 1 (prompt, output, then `accepted`), without
+    building the whole list: a round asks for a page's worth of a long context."""
+    n_prompt, n_out = len(seq.prompt_ids), len(seq.output_ids)
+    out = seq.prompt_ids[lo:hi] if lo < n_prompt else []
+    a, b = max(lo - n_prompt, 0), hi - n_prompt
+    if b > 0:
+        out += seq.output_ids[a:b] + list(accepted)[max(a - n_out, 0):max(b - n_out, 0)]
+    return out

@@ -125,6 +125,19 @@ def _route_variants() -> list[Variant]:
                     {"experts": 256, "stride_t": 256, "stride_e": 1})]
 
 
+def _penalty_variants() -> list[Variant]:
+    sig = {"logits_ptr": "*fp32", "table_ptr": "*i32", "counts_ptr": "*i32",
+           "prompt_ptr": "*i1", "params_ptr": "*fp32", "vocab": I32, "stride_logits": I32,
+           "width": I32, "stride_counts": I32, "stride_prompt": I32}
+    from target.kernels import penalties
+
+    return [Variant("penalties, B = 16", "target.kernels.penalties", "_penalize_kernel", sig,
+                    {"DRAFTS": 15, "HAS_PROMPT": True, "BLOCK": penalties.BLOCK_V},
+                    {"num_warps": 4, "enable_fp_fusion": False},
+                    {"vocab": 248320, "stride_logits": 248320, "width": 17,
+                     "stride_counts": 248320, "stride_prompt": 248320})]
+
+
 def _gdn_variants() -> list[Variant]:
     from target.kernels import gdn_slots
 
@@ -274,7 +287,7 @@ def _attention_variants(launches: list = ()) -> list[Variant]:
 
 
 def variants(attention_launches: list = ()) -> list[Variant]:
-    return (_moe_variants() + _route_variants() + _gdn_variants()
+    return (_moe_variants() + _route_variants() + _gdn_variants() + _penalty_variants()
             + _attention_variants(attention_launches))
 
 
