@@ -162,10 +162,6 @@ class SeqControls:
             if banned:
                 clear_bits(words[j], banned)
 
-    @property
-    def penalized(self) -> bool:
-        return self._counts is not None
-
     def counts(self) -> torch.Tensor:
         """[V] int32: how often each token was generated (the committed tokens)."""
         count_tokens([self])

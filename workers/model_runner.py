@@ -133,11 +133,9 @@ class ModelRunner:
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Each (from slot, to slot): every linear-attention layer's conv and recurrent state
         copied, on the device in stream order (the prefix cache's snapshots and restores)."""
-        if not pairs:
+        if not pairs or not self.caches.ssm:
             return
-        dev = next(iter(self.caches.ssm.values())).device if self.caches.ssm else None
-        if dev is None:
-            return
+        dev = next(iter(self.caches.ssm.values())).device
         src = torch.tensor([a for a, _ in pairs], device=dev)
         dst = torch.tensor([b for _, b in pairs], device=dev)
         for t in (*self.caches.conv.values(), *self.caches.ssm.values()):
