@@ -208,12 +208,18 @@ class LLMEngine:
             msg = StepMsg(kind=StepKind.PREFILL, chunk_lens=list(plan.chunk_lens),
                           samples=[s.num_cached + n == len(s.prompt_ids)
                                    for s, n in zip(seqs, plan.chunk_lens, strict=True)],
-                          restores=restores, snapshots=[(s.state_slot, slot)
-                                                        for s, slot, _ in snapshots],
+                          restores=restores,
+                          snapshots=[(s.seq_id, slot, pages * self.cfg.page_size)
+                                     for s, slot, pages in snapshots],
                           **common)
             self._snapshots = snapshots
         else:
-            msg = StepMsg(kind=StepKind.ROUND, anchors=[s.anchor for s in seqs], **common)
+            taps = None
+            if any(s.boundary_slot is not None for s in seqs):
+                taps = [(-1, 0) if s.boundary_slot is None
+                        else (s.boundary_slot, self.scheduler.tap_end(s)) for s in seqs]
+            msg = StepMsg(kind=StepKind.ROUND, anchors=[s.anchor for s in seqs], taps=taps,
+                          **common)
         self.executor.submit(msg)
         self._in_flight = plan
         return True
@@ -242,6 +248,7 @@ class LLMEngine:
                 s.prompt_logprobs += result.prompt_logprobs.get(i, [])
                 if s.prefilled:
                     self._append(s, toks, result.logprobs.get(i))
+                    self.scheduler.lend_boundary_slot(s)
             for s, slot, pages in snapshots:
                 if s.seq_id in failed:
                     self.prefix.cancel_snapshot(slot)
@@ -272,8 +279,9 @@ class LLMEngine:
                       ) -> tuple[list[tuple[int, int]], list[tuple[Sequence, int, int]]]:
         """A prefill step's restores (snapshot slot → state slot, for the sequences admitted on
         a hit) and the snapshots it takes: (sequence, snapshot slot, pages) for each chunk
-        that ends at a page boundary before its prompt's last token, where the cache has no
-        snapshot of that page yet."""
+        that passes its prompt's last page boundary before its last token or ends at a page
+        boundary before it (Scheduler.snapshot_in), where the cache has no snapshot of that
+        page yet."""
         if self.prefix is None:
             return [], []
         restores = []
@@ -285,15 +293,14 @@ class LLMEngine:
         snapshots = []
         page = self.cfg.page_size
         for s, n in zip(plan.prefill, plan.chunk_lens, strict=True):
-            end = s.num_cached + n
-            if s.prompt_keys is None or end % page or not 0 < end <= self.scheduler.snapshot_at(s):
-                continue
-            if s.prompt_keys[end // page - 1] in self.prefix.snapshots:
+            at = self.scheduler.snapshot_in(s, n)
+            if s.prompt_keys is None or at is None or s.prompt_keys[at // page - 1] in \
+                    self.prefix.snapshots:
                 continue
             slot = self.prefix.reserve_snapshot(keep)
             if slot is None:
                 break
-            snapshots.append((s, slot, end // page))
+            snapshots.append((s, slot, at // page))
         return restores, snapshots
 
     def prefix_snapshot(self) -> PrefixCacheSnapshot | None:
@@ -307,7 +314,7 @@ class LLMEngine:
             c.num_snapshots, c.num_snapshot_slots,
             state_slot_bytes(self.target_config, self.cfg.torch_dtype)
             if self.target_config.linear_attention_layers else 0,
-            st.page_evictions, st.snapshot_evictions)
+            st.page_evictions, st.snapshot_evictions, len(c.boundary_slots))
 
     def _enter_pages(self, seq: Sequence, accepted: list[int] = ()) -> None:
         """The sequence's pages that are full and committed since it last entered some go into

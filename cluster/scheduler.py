@@ -8,9 +8,10 @@ sequence whose prompt is fully cached. When both kinds of work exist the steps a
 long prompt delays running streams by at most one chunk per round, and running streams cannot
 starve admission.
 
-With a prefix cache (cluster/prefix_cache.py) an admitted prompt starts after its hit, and its
-chunks end at the points where its state is snapshotted: the last page boundary before its
-last token, and page boundaries where the budget cuts it."""
+With a prefix cache (cluster/prefix_cache.py) an admitted prompt starts after its hit, and a
+chunk the budget cuts short ends at a page boundary, where its state is snapshotted (the
+prompt's last page boundary before its last token is snapshotted inside the chunk that passes
+it)."""
 
 from __future__ import annotations
 
@@ -116,19 +117,29 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """The prompt tokens seq feeds this step: what is left, within the budget; with a
-        prefix cache, a chunk that would pass the prompt's snapshot point ends there, and one
-        the budget cuts short before it ends at a page boundary (each a snapshot point)."""
+        prefix cache, a chunk the budget cuts short before the prompt's snapshot point ends at
+        a page boundary (a snapshot point too)."""
         n = min(seq.num_prompt_left, budget)
         if self.prefix is None or seq.params.prompt_logprobs is not None:
             return n
-        start, end, at = seq.num_cached, seq.num_cached + n, self.snapshot_at(seq)
-        if start < at < end:
-            return at - start
-        if end < at:
+        start, end = seq.num_cached, seq.num_cached + n
+        if end < self.snapshot_at(seq):
             aligned = end // self.blocks.page_size * self.blocks.page_size
             if aligned > start:
                 return aligned - start
         return n
+
+    def snapshot_in(self, seq: Sequence, n: int) -> int | None:
+        """Where a chunk of n prompt tokens from seq.num_cached on leaves the prefix cache a
+        snapshot of the sequence's state: the prompt's snapshot point if the chunk passes it
+        (the forward takes the state there), else the chunk's end if that is a page boundary
+        before it; None for neither."""
+        start, end, at = seq.num_cached, seq.num_cached + n, self.snapshot_at(seq)
+        if start < at < end:
+            return at
+        if 0 < end <= at and end % self.blocks.page_size == 0:
+            return end
+        return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         # Also the abort path of a sequence still waiting or still prefilling.
@@ -138,7 +149,40 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.boundary_slot is not None:
+            self._return_boundary_slot(seq)
         self.blocks.free(seq)
+
+    def lend_boundary_slot(self, seq: Sequence) -> None:
+        """The sequence starts decoding: with a prefix cache, it gets a boundary slot where
+        its output can reach a page boundary it has not committed yet."""
+        if self.prefix is None or seq.finished:
+            return
+        page = self.blocks.page_size
+        if self.tap_end(seq) < (seq.num_cached // page + 1) * page:
+            return
+        seq.boundary_slot = self.prefix.lend_boundary_slot()
+        seq.boundary_from = seq.num_cached
+
+    def tap_end(self, seq: Sequence) -> int:
+        """Where the sequence's tokens end at the latest (its prompt and max_tokens): its
+        boundary slot takes no boundary past it (a round's kept tokens may run on past the
+        last token it outputs)."""
+        return min(len(seq.prompt_ids) + seq.params.max_tokens, self.max_model_len)
+
+    def _return_boundary_slot(self, seq: Sequence) -> None:
+        """A sequence that ended with a stop or its length leaves the state its boundary slot
+        holds as the snapshot of that page, where its rounds reached one within its tokens
+        (after a stop, the last round's kept tokens may have passed the stop token: its
+        boundary may then lie past the tokens the sequence keeps)."""
+        page = self.blocks.page_size
+        pages = min(seq.num_cached, self.tap_end(seq)) // page
+        keep = (seq.finish_reason in ("stop", "length") and len(seq.page_keys) >= pages
+                and seq.boundary_from < pages * page <= seq.num_tokens)
+        key = seq.page_keys[pages - 1] if keep else None
+        if self.prefix.return_boundary_slot(seq.boundary_slot, key, pages, seq.last_snapshot):
+            seq.last_snapshot = key
+        seq.boundary_slot = None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -31,12 +31,15 @@ class Sequence:
     # The prefix cache's (cluster/prefix_cache.py): prompt tokens its hit spared it, the
     # snapshot slot its first chunk restores, the chain keys of its full prompt pages (made
     # once), the pages known to the cache from the first (its hit's, then those it entered),
-    # and the key of its newest snapshot.
+    # the key of its newest snapshot, and while it decodes, its boundary slot (holding its
+    # state at the last page boundary its rounds reached past position boundary_from).
     num_cached_tokens: int = 0
     restore_slot: int | None = None
     prompt_keys: list[bytes] | None = None
     page_keys: list[bytes] = field(default_factory=list)
     last_snapshot: bytes | None = None
+    boundary_slot: int | None = None
+    boundary_from: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per round
     num_streamed: int = 0  # output tokens already handed to the caller
     # params.logprobs: one per output token; params.prompt_logprobs: one per prompt token

@@ -191,6 +191,9 @@ def _prefix_cache(p: PrefixCacheSnapshot, m: str) -> Iterator[Metric]:
                "Gated DeltaNet state snapshots held", m, p.snapshots)
     yield _one(GaugeMetricFamily, "dflash_prefix_cache_snapshot_slots",
                "Snapshot pool size", m, p.snapshot_slots)
+    yield _one(GaugeMetricFamily, "dflash_prefix_cache_boundary_slots",
+               "Snapshot slots lent to decoding sequences (each becomes the snapshot of its "
+               "answer's last full page when it ends)", m, p.boundary_slots)
     yield _one(GaugeMetricFamily, "dflash_prefix_cache_snapshot_bytes",
                "Memory the held snapshots take on a TP-1 rank", m,
                p.snapshots * p.snapshot_bytes)

@@ -25,6 +25,9 @@ class ForwardBatch:
     # captured round (workers/cuda_graphs.py) has only these: its lists are None.
     seq_lens_t: torch.Tensor | None = None
     state_slots_t: torch.Tensor | None = None
+    # Prefill: sequence index → (snapshot slot, n): the GDN layers also leave the sequence's
+    # state after the first n tokens of its chunk in that slot (the prefix cache's snapshot).
+    snapshots: dict[int, tuple[int, int]] = field(default_factory=dict)
     # Filled by the forward: per GDN layer, per verify sequence, what replay needs.
     journal: dict[int, list] = field(default_factory=dict)
     # Built once per forward by the first attention layer, shared by the others (the

@@ -10,6 +10,7 @@ from configs.model import TargetConfig
 from target.batch import ForwardBatch, TargetCaches
 from target.distributed import SINGLE, TPGroup
 from target.kernels import fused, pdl, selection
+from target.kernels.gdn_slots import Taps
 from target.layers.attention import GatedAttention, set_round_attention
 from target.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from target.layers.gdn import GatedDeltaNet
@@ -121,14 +122,25 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         return logits.float() if fp32 else logits
 
     def commit_verify(self, batch: ForwardBatch, caches: TargetCaches,
-                      num_kept: list[int] | torch.Tensor) -> None:
+                      num_kept: list[int] | torch.Tensor,
+                      tap_slots: torch.Tensor | None = None,
+                      tap_ends: torch.Tensor | None = None) -> None:
         """After acceptance: advance each verify sequence's GDN state over its first
         num_kept[i] block tokens (the anchor plus the accepted drafts). The journal stays (a
         captured round replays its commit over the same one); a device tensor num_kept is for
-        uniform rounds."""
+        uniform rounds. tap_slots, tap_ends [S] (device; a slot −1 for none): each sequence's
+        boundary slot, which also receives its state at the last page boundary the kept
+        tokens reach, and the position its tokens end at (gdn_slots.Taps)."""
+        taps = None
+        if tap_slots is not None:
+            width = batch.query_lens[0]
+            starts = (batch.positions.view(-1, width)[:, 0]
+                      if all(n == width for n in batch.query_lens)
+                      else batch.positions[batch.cu_seqlens[:-1]])
+            taps = Taps(tap_slots, starts, tap_ends, caches.page_size)
         for layer in self.model.layers:
             if layer.is_linear:
-                layer.linear_attn.commit(batch, caches, num_kept)
+                layer.linear_attn.commit(batch, caches, num_kept, taps)
 
     def cache_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-layer cache entry shapes on this rank (without the block / slot dim)."""

@@ -280,6 +280,10 @@ class RoundGraphs:
         input_ids[: n * width] = [t for s in seqs for t in s.token_ids]
         state_slots = np.full(padded, self.scratch_slot, np.int64)
         state_slots[:n] = [s.state_slot for s in seqs]
+        tap_slots = np.full(padded, -1, np.int64)  # (the commit's; padding taps nothing)
+        tap_slots[:n] = [s.tap_slot for s in seqs]
+        tap_ends = np.zeros(padded, np.int64)
+        tap_ends[:n] = [s.tap_end for s in seqs]
         arrays = {
             "input_ids": input_ids,
             "positions": pos,
@@ -288,6 +292,8 @@ class RoundGraphs:
             "block_tables": tables,
             "seq_lens": starts + width,
             "state_slots": state_slots,
+            "tap_slots": tap_slots,
+            "tap_ends": tap_ends,
         }
         return {name: torch.from_numpy(a) for name, a in arrays.items()}
 
@@ -297,6 +303,7 @@ class RoundGraphs:
         # call: every sequence points at the scratch GDN slot, so a one-token round (which
         # commits its states in place) cannot advance a real sequence's state early.
         static["state_slots"].fill_(self.scratch_slot)
+        static["tap_slots"].fill_(-1)
 
         def batch_of(inputs: dict[str, torch.Tensor]) -> ForwardBatch:
             # Host lists a captured forward may not read are None (kernels read the tensors).
@@ -319,10 +326,12 @@ class RoundGraphs:
         if width == 1:  # a one-token round commits in its forward: nothing to capture
             return _RoundStep(fwd, None)
         kept = {"num_kept": torch.zeros(padded, dtype=torch.long, device=self.device)}
-        # Over the forward's journal (fixed once captured). Warmed up with num_kept = 0, which
-        # leaves every state exactly as it was (given a journal of finite values: above).
+        # Over the forward's journal (fixed once captured) and its tap slots (the forward's
+        # input). Warmed up with num_kept = 0, which leaves every state exactly as it was
+        # (given a journal of finite values: above) and reaches no boundary.
         commit = CapturedCall(
             lambda inputs: self.model.commit_verify(fwd.outputs[2], self.caches,
-                                                    inputs["num_kept"]),
+                                                    inputs["num_kept"], fwd.inputs["tap_slots"],
+                                                    fwd.inputs["tap_ends"]),
             kept, self.pool)
         return _RoundStep(fwd, commit)

@@ -65,12 +65,17 @@ class StepMsg:
     new_seqs: list[NewSeq] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # seq ids finished since the last step
     call: tuple[str, tuple] | None = None  # CALL: (method, args)
-    # PREFILL, the prefix cache's state copies (cluster/prefix_cache.py), each (from slot,
-    # to slot) over every linear-attention layer's conv and recurrent state: before the
-    # forward a hit's snapshot into its sequence's slot, after it a sequence's state into a
-    # snapshot slot (its chunk ends where the snapshot is taken)
+    # PREFILL, the prefix cache's state copies (cluster/prefix_cache.py) over every
+    # linear-attention layer's conv and recurrent state: restores (from slot, to slot), before
+    # the forward, a hit's snapshot into its sequence's slot; snapshots (seq id, snapshot
+    # slot, position), the sequence's state after that position of its chunk (its end or
+    # inside it) into a snapshot slot
     restores: list[tuple[int, int]] = field(default_factory=list)
-    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    # ROUND, the prefix cache's boundary slots: [S] (slot, end) for each sequence, the slot
+    # its commit leaves its state in at the last page boundary it reaches below position end
+    # (its prompt and max_tokens); slot −1: none; None: no sequence has one
+    taps: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)

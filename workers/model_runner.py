@@ -40,6 +40,14 @@ class SeqInput:
     block_table_t: torch.Tensor | None = None
     # the sampling controls' state in this process (params.has_controls; workers/controls.py)
     controls: SeqControls | None = None
+    # verify: the state slot that receives the sequence's state at each page boundary its
+    # committed tokens reach up to tap_end (the prefix cache's boundary slot; its prompt and
+    # max_tokens: gdn_slots.Taps); −1: none
+    tap_slot: int = -1
+    tap_end: int = 0
+    # prefill: (snapshot slot, position): the sequence's state after that position of its
+    # chunk (start_pos < position ≤ its end) is copied into the slot (the prefix cache's)
+    snapshot: tuple[int, int] | None = None
 
 
 @dataclass
@@ -127,6 +135,8 @@ class ModelRunner:
             state_slots=[s.state_slot for s in seqs], is_verify=[is_verify] * len(seqs),
             aux_layer_ids=self.aux_layer_ids, seq_lens_t=dev["seq_lens"],
             state_slots_t=dev["state_slots"],
+            snapshots={i: (s.snapshot[0], s.snapshot[1] - s.start_pos)
+                       for i, s in enumerate(seqs) if s.snapshot is not None},
         )
 
     @torch.inference_mode()
@@ -324,9 +334,17 @@ class ModelRunner:
             batch = self._batch(seqs, True)
             hidden, aux = self.model(batch, self.caches)
             logits = self.model.compute_logits(hidden, fp32)  # [T, V]
+            taps = (None, None)
+            if any(s.tap_slot >= 0 for s in seqs):
+                taps = (torch.tensor([s.tap_slot for s in seqs], device=batch.positions.device),
+                        torch.tensor([s.tap_end for s in seqs], device=batch.positions.device))
 
             def commit(num_kept: list[int]) -> None:
-                self.model.commit_verify(batch, self.caches, num_kept)
+                self.model.commit_verify(batch, self.caches, num_kept, *taps)
+        if width == 1:  # a decode committed in its forward: a boundary it reached is copied
+            page = self.page_size
+            self.copy_states([(s.state_slot, s.tap_slot) for s in seqs if s.tap_slot >= 0
+                              and (s.start_pos + 1) % page == 0 and s.start_pos < s.tap_end])
         cu = batch.cu_seqlens
         errors: dict[int, str] = {}
         raw, logits = logits, self._controlled(

@@ -85,22 +85,25 @@ class TargetStepper:
         tables = self.table.tables(msg)
         if msg.kind is StepKind.PREFILL:
             self.runner.copy_states(msg.restores)
+            snapshots = {seq_id: (slot, at) for seq_id, slot, at in msg.snapshots}
             out = self.runner.prefill([
                 SeqInput(s.seq_id, s.prompt_ids[start : start + n], start, s.block_table,
                          s.state_slot, s.params, sample=sample,
                          prompt_targets=None if s.params.prompt_logprobs is None
                          else s.prompt_ids[start + 1 : start + n + 1], block_table_t=t,
-                         controls=self.controls.get(s.seq_id))
+                         controls=self.controls.get(s.seq_id),
+                         snapshot=snapshots.get(s.seq_id))
                 for s, start, n, sample, t in zip(seqs, msg.starts, msg.chunk_lens,
                                                   msg.samples, tables, strict=True)])
-            self.runner.copy_states(msg.snapshots)
         elif msg.kind is StepKind.ROUND:
             drafts = drafts if drafts is not None else [[]] * len(seqs)
+            taps = msg.taps if msg.taps is not None else [(-1, 0)] * len(seqs)
             out = self.runner.verify([
                 SeqInput(s.seq_id, [anchor, *d], start, s.block_table, s.state_slot, s.params,
-                         block_table_t=t, controls=self.controls.get(s.seq_id))
-                for s, start, anchor, d, t in zip(seqs, msg.starts, msg.anchors, drafts,
-                                                  tables, strict=True)])
+                         block_table_t=t, controls=self.controls.get(s.seq_id),
+                         tap_slot=tap[0], tap_end=tap[1])
+                for s, start, anchor, d, t, tap in zip(seqs, msg.starts, msg.anchors, drafts,
+                                                       tables, taps, strict=True)])
         else:
             raise ValueError(f"the target runs PREFILL and ROUND steps, not {msg.kind.name}")
         for i, why in self.controls.commit(msg.seq_ids, out.new_tokens).items():

@@ -28,6 +28,10 @@ Three call sites, three compiled variants (the flags are constexpr, fixed per ca
   commit   num_kept=n, write_state=True, need_output=False
            the first n_s tokens only: the loop stops at n_s (the reference's g = β = 0 past
            n_s leaves the state exactly as it is; stopping there leaves it untouched).
+           With taps (the prefix cache's boundary slots, `Taps`) the program also stores its
+           tile into the sequence's boundary slot right after the token that completes the
+           last page boundary its kept tokens reach: one extra tile store for a sequence
+           that crosses one, decided on the device from the kept count.
 
 The launch shape is one per model (SlotsLaunch: BLOCK_V, warps; Dv alone picks the tile), never
 per step, and programs share nothing: a sequence's result is the same bits alone or in a
@@ -80,15 +84,16 @@ def recurrent_slots_available(x: torch.Tensor) -> bool:
 def recurrent_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, state_cache: torch.Tensor, slots: torch.Tensor, *,
                     num_kept: torch.Tensor | None = None, write_state: bool = False,
-                    need_output: bool = True,
+                    need_output: bool = True, taps: Taps | None = None,
                     launch: SlotsLaunch | None = None) -> torch.Tensor | None:
     """q, k [S, L, Hk, Dk] (L2-normalised, q scaled; any float dtype); v [S, L, Hv, Dv];
     g [S, L, Hv] fp32; beta [S, L, Hv]; state_cache [N, Hv, Dk, Dv] fp32; slots [S] integer,
     distinct (not checked: that would read them back); num_kept [S] integer or None (all L).
     Sequence s starts from state_cache[slots[s]]; tokens t ≥ num_kept[s] leave its state as
     it is. write_state: the final states go back to their slots in place. Returns o
-    [S, L, Hv, Dv] in v's dtype, or None when not need_output. Any strides. `launch`
-    (benchmarks, tests) replaces LAUNCH."""
+    [S, L, Hv, Dv] in v's dtype, or None when not need_output. Any strides. `taps` (with
+    write_state): also each sequence's state at the last page boundary its kept tokens reach
+    (Taps). `launch` (benchmarks, tests) replaces LAUNCH."""
     if triton is None:
         raise RuntimeError("recurrent_slots needs triton")
     n_seqs, length, k_heads, dk = q.shape
@@ -113,42 +118,94 @@ def recurrent_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     slots = slots.contiguous()  # read as slots_ptr + s
     kept = slots if num_kept is None else num_kept.contiguous()  # (unread without num_kept)
     out, out_strides = (o, o.stride()) if need_output else (v, (0, 0, 0, 0))  # (unwritten)
+    tap_slots, tap_starts, tap_ends, page = _tap_args(taps, slots, n_seqs)
     _recurrent_slots_kernel[(n_seqs * v_heads, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, state_cache, slots, kept, out, length, v_heads, v_heads // k_heads, dv,
+        q, k, v, g, beta, state_cache, slots, kept, out, tap_slots, tap_starts, tap_ends,
+        length, v_heads, v_heads // k_heads, dv, page, tap_starts.stride(0),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state_cache.stride(), *out_strides,
         DK=dk, BLOCK_V=block_v, HAS_KEPT=num_kept is not None, WRITE_STATE=write_state,
-        NEED_OUTPUT=need_output, num_warps=launch.warps, **pdl.options(q))
+        NEED_OUTPUT=need_output, TAP=taps is not None, num_warps=launch.warps,
+        **pdl.options(q))
     return o
+
+
+@dataclass(frozen=True)
+class Taps:
+    """Where a commit also leaves each sequence's state at a page boundary: sequence s
+    started its block at position starts[s] (any stride) and keeps n tokens; its state after
+    the last multiple of `page` at or below min(starts[s] + n, ends[s]) is written to
+    slots[s] (its boundary slot), when that boundary lies past starts[s]. Nothing is written
+    for a sequence with slots[s] < 0 or no such boundary, so the slot keeps the boundary an
+    earlier round left there. ends[s]: the position its tokens end at for good (its prompt
+    and max_tokens), so that kept tokens past its last output token are not tapped. All
+    device tensors: the tap is decided on the device from the kept counts, without a host
+    sync."""
+
+    slots: torch.Tensor  # [S] integer, −1 for none
+    starts: torch.Tensor  # [S] integer
+    ends: torch.Tensor  # [S] integer
+    page: int
+
+    def kept(self, num_kept: torch.Tensor) -> torch.Tensor:
+        """[S] the kept tokens up to each sequence's tapped boundary (≤ 0: no tap)."""
+        starts = self.starts.long()
+        reach = torch.minimum(starts + num_kept.long(), self.ends.long())
+        n = reach // self.page * self.page - starts
+        return torch.where(self.slots >= 0, n, torch.zeros_like(n))
+
+
+def _tap_args(taps: Taps | None, slots: torch.Tensor, n_seqs: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    if taps is None:
+        return slots, slots, slots, 1  # (unread)
+    assert taps.slots.shape == taps.starts.shape == taps.ends.shape == (n_seqs,), (
+        taps.slots.shape, taps.starts.shape, taps.ends.shape)
+    return taps.slots.contiguous(), taps.starts, taps.ends.contiguous(), taps.page
 
 
 def recurrent_slots_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               g: torch.Tensor, beta: torch.Tensor, state_cache: torch.Tensor,
                               slots: torch.Tensor, *, num_kept: torch.Tensor | None = None,
-                              write_state: bool = False,
-                              need_output: bool = True) -> torch.Tensor | None:
+                              write_state: bool = False, need_output: bool = True,
+                              taps: Taps | None = None) -> torch.Tensor | None:
     """recurrent_slots in plain torch (gdn_torch's recurrence on gathered states): the tests'
     reference and CPU callers' path. Past num_kept g = β = 0, which leaves a state unchanged
-    (a state element of −0.0 may come back +0.0; the kernel leaves it as it is)."""
+    (a state element of −0.0 may come back +0.0; the kernel leaves it as it is). Taps replay
+    the tapped tokens a second time (no host sync: a sequence without a tap writes its own
+    slot, which the commit then overwrites)."""
     length = q.shape[1]
     group = v.shape[2] // q.shape[2]
     q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)  # [S, L, Hv, Dk]
+    if write_state and taps is not None:
+        n = torch.full_like(slots, length) if num_kept is None else num_kept
+        tap = taps.kept(n)
+        _, state = gdn_torch.recurrent_gated_delta_rule(q, *_kept_only(k, v, g, beta, tap),
+                                                        state_cache[slots])
+        state_cache[torch.where(tap > 0, taps.slots, slots)] = state.to(state_cache.dtype)
     if num_kept is not None:
-        keep = torch.arange(length, device=g.device)[None, :] < num_kept[:, None]  # [S, L]
-        g = g.masked_fill(~keep[..., None], 0.0)
-        beta = beta.masked_fill(~keep[..., None], 0.0)
+        g, beta = _kept_only(k, v, g, beta, num_kept)[2:]
     o, final = gdn_torch.recurrent_gated_delta_rule(q, k, v, g, beta, state_cache[slots])
     if write_state:
         state_cache[slots] = final.to(state_cache.dtype)
     return o.to(v.dtype) if need_output else None
 
 
+def _kept_only(k, v, g, beta, num_kept: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """k, v, and g, β zero past each sequence's first num_kept tokens (the state stands
+    still there)."""
+    keep = torch.arange(g.shape[1], device=g.device)[None, :] < num_kept[:, None]  # [S, L]
+    return (k, v, g.masked_fill(~keep[..., None], 0.0),
+            beta.masked_fill(~keep[..., None], 0.0))
+
+
 def commit_conv(conv_seq: torch.Tensor, conv_cache: torch.Tensor, slots: torch.Tensor,
-                kept: torch.Tensor | int) -> None:
+                kept: torch.Tensor | int, taps: Taps | None = None) -> None:
     """conv_cache[slots[s]] = conv_seq[s, :, n_s : n_s + K−1] in the cache's dtype, one launch:
     each sequence's conv state after its first n_s block tokens (conv_seq [S, C, K−1+L]: the
     committed state, then the block's inputs; conv_cache [N, C, K−1]; slots [S] integer;
-    kept: [S] integer, or one n for every sequence (a decode: 1)). Any strides."""
+    kept: [S] integer, or one n for every sequence (a decode: 1)). Any strides. `taps` (with
+    per-sequence kept counts): also the conv state at each tapped boundary (Taps)."""
     if triton is None:
         raise RuntimeError("commit_conv needs triton")
     n_seqs, channels = conv_seq.shape[:2]
@@ -163,24 +220,38 @@ def commit_conv(conv_seq: torch.Tensor, conv_cache: torch.Tensor, slots: torch.T
     slots = slots.contiguous()
     per_seq = isinstance(kept, torch.Tensor)
     kept_t = kept.contiguous() if per_seq else slots  # (unread with one n)
+    assert per_seq or taps is None, "taps need per-sequence kept counts"
+    tap_slots, tap_starts, tap_ends, page = _tap_args(taps, slots, n_seqs)
     _commit_conv_kernel[(n_seqs, triton.cdiv(channels, CONV_BLOCK))](
-        conv_seq, conv_cache, slots, kept_t, 0 if per_seq else int(kept), channels,
-        *conv_seq.stride(), *conv_cache.stride(),
-        K_1=k_1, BLOCK_C=CONV_BLOCK, PER_SEQ=per_seq, num_warps=4, **pdl.options(conv_seq))
+        conv_seq, conv_cache, slots, kept_t, tap_slots, tap_starts, tap_ends,
+        0 if per_seq else int(kept),
+        channels, page, tap_starts.stride(0), *conv_seq.stride(), *conv_cache.stride(),
+        K_1=k_1, BLOCK_C=CONV_BLOCK, PER_SEQ=per_seq, TAP=taps is not None, num_warps=4,
+        **pdl.options(conv_seq))
 
 
 def commit_conv_reference(conv_seq: torch.Tensor, conv_cache: torch.Tensor,
-                          slots: torch.Tensor, kept: torch.Tensor | int) -> None:
+                          slots: torch.Tensor, kept: torch.Tensor | int,
+                          taps: Taps | None = None) -> None:
     """commit_conv in torch (a gather and an indexed store): the tests' reference and CPU
-    callers' path."""
+    callers' path. A sequence without a tap writes its own slot first, which the commit then
+    overwrites (no host sync)."""
     n_seqs, channels = conv_seq.shape[:2]
     k_1 = conv_cache.shape[-1]
     if not isinstance(kept, torch.Tensor):
+        assert taps is None, "taps need per-sequence kept counts"
         conv_cache[slots] = conv_seq[:, :, kept : kept + k_1].to(conv_cache.dtype)
         return
-    cols = kept[:, None] + torch.arange(k_1, device=kept.device)[None, :]  # [S, K-1]
-    idx = cols[:, None, :].expand(n_seqs, channels, k_1)
-    conv_cache[slots] = conv_seq.gather(2, idx).to(conv_cache.dtype)
+
+    def window(n: torch.Tensor) -> torch.Tensor:  # [S, C, K−1] the state after n tokens
+        cols = n[:, None] + torch.arange(k_1, device=n.device)[None, :]  # [S, K-1]
+        return conv_seq.gather(2, cols[:, None, :].expand(n_seqs, channels, k_1))
+
+    if taps is not None:
+        tap = taps.kept(kept)
+        conv_cache[torch.where(tap > 0, taps.slots, slots)] = window(
+            tap.clamp(min=0)).to(conv_cache.dtype)
+    conv_cache[slots] = window(kept.long()).to(conv_cache.dtype)
 
 
 def _interpreted() -> bool:
@@ -219,7 +290,8 @@ if triton is not None:
     @triton.jit
     def _recurrent_slots_kernel(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, kept_ptr, o_ptr,
-            length, v_heads, group, dv,
+            tap_slots_ptr, tap_starts_ptr, tap_ends_ptr, length, v_heads, group, dv, page,
+            stride_tap,
             stride_qs, stride_qt, stride_qh, stride_qd,
             stride_ks, stride_kt, stride_kh, stride_kd,
             stride_vs, stride_vt, stride_vh, stride_vd,
@@ -228,7 +300,8 @@ if triton is not None:
             stride_cn, stride_ch, stride_ck, stride_cv,
             stride_os, stride_ot, stride_oh, stride_od,
             DK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_KEPT: tl.constexpr,
-            WRITE_STATE: tl.constexpr, NEED_OUTPUT: tl.constexpr, PDL: tl.constexpr):
+            WRITE_STATE: tl.constexpr, NEED_OUTPUT: tl.constexpr, TAP: tl.constexpr,
+            PDL: tl.constexpr):
         await_prior(PDL)
         pid = tl.program_id(0)
         seq = (pid // v_heads).to(tl.int64)
@@ -251,10 +324,22 @@ if triton is not None:
         g_at = g_ptr + seq * stride_gs + head * stride_gh
         b_at = beta_ptr + seq * stride_bs + head * stride_bh
         o_row = o_ptr + seq * stride_os + head * stride_oh + cols * stride_od
+        tap_t = -1  # the token after which the state is at the boundary (Taps); −1: none
+        tap_tile = tile
+        if TAP:
+            tap_slot = tl.load(tap_slots_ptr + seq).to(tl.int64)
+            start = tl.load(tap_starts_ptr + seq * stride_tap).to(tl.int64)
+            reach = tl.minimum(start + n, tl.load(tap_ends_ptr + seq).to(tl.int64))
+            tap_t = tl.where(tap_slot >= 0, reach // page * page - start - 1, -1)
+            tap_tile = (state_ptr + tl.maximum(tap_slot, 0) * stride_cn + head * stride_ch
+                        + rows[:, None] * stride_ck + cols[None, :] * stride_cv)
         for t in range(0, n):  # (q loaded after the step: fewer registers live across it)
             kt, vt, gt, bt = _token_inputs(k_row, v_row, g_at, b_at, t, col_ok, stride_kt,
                                            stride_vt, stride_gt, stride_bt)
             s = _step(s, kt, vt, gt, bt)
+            if TAP:
+                if t == tap_t:
+                    tl.store(tap_tile, s, mask=col_ok[None, :])
             if NEED_OUTPUT:
                 qt = tl.load(q_row + t * stride_qt).to(tl.float32)
                 _emit(s, qt, o_row + t * stride_ot, col_ok)
@@ -267,10 +352,11 @@ if triton is not None:
             tl.store(tile, s, mask=col_ok[None, :])
 
     @triton.jit
-    def _commit_conv_kernel(Seq, Cache, Slots, Kept, n_fixed, channels,
-                            stride_qs, stride_qc, stride_ql, stride_cn, stride_cc, stride_ck,
-                            K_1: tl.constexpr, BLOCK_C: tl.constexpr, PER_SEQ: tl.constexpr,
-                            PDL: tl.constexpr):
+    def _commit_conv_kernel(Seq, Cache, Slots, Kept, TapSlots, TapStarts, TapEnds, n_fixed,
+                            channels,
+                            page, stride_tap, stride_qs, stride_qc, stride_ql, stride_cn,
+                            stride_cc, stride_ck, K_1: tl.constexpr, BLOCK_C: tl.constexpr,
+                            PER_SEQ: tl.constexpr, TAP: tl.constexpr, PDL: tl.constexpr):
         await_prior(PDL)
         s = tl.program_id(0)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -284,3 +370,13 @@ if triton is not None:
         for j in tl.static_range(K_1):
             x = tl.load(src + (n + j) * stride_ql, mask=ok)
             tl.store(dst + j * stride_ck, x.to(Cache.dtype.element_ty), mask=ok)
+        if TAP:  # the conv state at the tapped boundary (Taps), where there is one
+            tap_slot = tl.load(TapSlots + s).to(tl.int64)
+            start = tl.load(TapStarts + s * stride_tap).to(tl.int64)
+            reach = tl.minimum(start + n, tl.load(TapEnds + s).to(tl.int64))
+            tap_n = reach // page * page - start
+            if (tap_slot >= 0) & (tap_n > 0):
+                tap_dst = Cache + tap_slot * stride_cn + c * stride_cc
+                for j in tl.static_range(K_1):
+                    x = tl.load(src + (tap_n + j) * stride_ql, mask=ok)
+                    tl.store(tap_dst + j * stride_ck, x.to(Cache.dtype.element_ty), mask=ok)

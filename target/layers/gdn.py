@@ -1,6 +1,9 @@
 """Gated DeltaNet (Qwen3.5's linear-attention mixer), tensor-parallel over heads.
 
-Prefill sequences advance their conv/recurrent state in place. Verify sequences read the
+Prefill sequences advance their conv/recurrent state in place, and where the prefix cache
+asks (ForwardBatch.snapshots) leave a copy of it after a given token of their chunk in a
+snapshot slot: at the chunk's end, or inside it, where the recurrence then runs in two parts
+(the second from the state the first leaves). Verify sequences read the
 committed state without writing it and journal what a replay needs (pre-conv inputs and the
 block's k, v, g, β); `commit` then replays only the accepted prefix from the committed state,
 so rollback is exact and a sequence never holds more than its one committed state (plus the
@@ -124,12 +127,22 @@ class GatedDeltaNet(nn.Module):
         # [T, H]: g fp32, β in the recurrence's dtype
         g, beta = fused.gdn_gates(b, a, self.A_log, self.dt_bias, gdn.recurrence_dtype(x))
         cu = batch.cu_seqlens
-        inputs, new_convs = [], []
+        inputs, new_convs, heads = [], [], {}
         for s in range(batch.num_seqs):
             lo, hi, slot = cu[s], cu[s + 1], batch.state_slots[s]
             conv_out, new_conv = gdn.causal_conv(mixed_qkv[lo:hi], conv_cache[slot], weight)
             q, k, v = self._split_heads(conv_out)
-            inputs.append((q, k, v, g[lo:hi], beta[lo:hi], ssm_cache[slot]))
+            state = ssm_cache[slot]
+            snap, at = batch.snapshots.get(s, (None, hi - lo))
+            if at < hi - lo:  # a snapshot inside the chunk: the recurrence in two parts
+                heads[s], state = gdn.gated_delta_rule(q[:at], k[:at], v[:at], g[lo : lo + at],
+                                                       beta[lo : lo + at], state)
+                width = conv_cache.shape[-1]  # the conv state there: the K−1 inputs before it
+                conv_cache[snap] = torch.cat([conv_cache[slot], mixed_qkv[lo : lo + at].t().to(
+                    conv_cache.dtype)], dim=-1)[:, -width:]
+                ssm_cache[snap] = state
+                q, k, v, lo = q[at:], k[at:], v[at:], lo + at
+            inputs.append((q, k, v, g[lo:hi], beta[lo:hi], state))
             new_convs.append(new_conv)
         outs = []
         for s, ((_, k, v, *_), new_conv, (o, new_state)) in enumerate(zip(
@@ -140,7 +153,11 @@ class GatedDeltaNet(nn.Module):
             else:
                 conv_cache[slot] = new_conv
                 ssm_cache[slot] = new_state
-            outs.append(o)
+                snap, at = batch.snapshots.get(s, (None, None))
+                if at == hi - lo:  # a snapshot at the chunk's end: the state it leaves
+                    conv_cache[snap] = new_conv
+                    ssm_cache[snap] = new_state
+            outs.append(o if s not in heads else torch.cat([heads[s], o]))
         o = torch.cat(outs).to(x.dtype)  # [T, H, Dv]
         o = self.norm(o, z).reshape(x.shape[0], -1)
         return self.out_proj(o)
@@ -191,48 +208,69 @@ class GatedDeltaNet(nn.Module):
                                      self.head_k_dim, self.num_v_heads, self.head_v_dim,
                                      gdn.recurrence_dtype(conv_out))
 
-    def commit(self, batch: ForwardBatch, caches: TargetCaches, num_kept: list[int]) -> None:
-        """Advance each verify sequence's committed state over the first num_kept tokens."""
+    def commit(self, batch: ForwardBatch, caches: TargetCaches, num_kept: list[int],
+               taps: gdn_slots.Taps | None = None) -> None:
+        """Advance each verify sequence's committed state over the first num_kept tokens;
+        with taps, also leave its state at the last page boundary they reach in its boundary
+        slot (gdn_slots.Taps)."""
         conv_cache, ssm_cache = caches.conv[self.layer_idx], caches.ssm[self.layer_idx]
         entries = batch.journal.get(self.layer_idx, [])
         if not entries:  # nothing held back (a one-token round committed in its forward)
             return
         if isinstance(entries[0], GDNBlockJournal):
             self._commit_round(entries[0], conv_cache, ssm_cache, num_kept,
-                               self.recurrence == "slots")
+                               self.recurrence == "slots", taps)
             return
         entries = iter(entries)
         kept = iter(num_kept)
+        tap_slots = taps.slots.tolist() if taps is not None else [-1] * batch.num_seqs
         for s in range(batch.num_seqs):
             if not batch.is_verify[s]:
                 continue
-            e, n, slot = next(entries), next(kept), batch.state_slots[s]
+            e, n, slot = next(entries), int(next(kept)), batch.state_slots[s]
             if n == 0:
                 continue
             width = conv_cache.shape[-1]
             seq = torch.cat([conv_cache[slot], e.mixed_qkv[:n].t().to(conv_cache.dtype)], dim=-1)
+            start = batch.seq_lens[s] - batch.query_lens[s]
+            tap = (start + n) // caches.page_size * caches.page_size - start
+            if tap_slots[s] >= 0 and tap > 0:  # the state at the boundary, before the commit's
+                conv_cache[tap_slots[s]] = seq[:, tap : tap + width]
+                ssm_cache[tap_slots[s]] = gdn.replay_state(
+                    e.k[:tap], e.v[:tap], e.g[:tap], e.beta[:tap], ssm_cache[slot])
             conv_cache[slot] = seq[:, seq.shape[1] - width :]
             ssm_cache[slot] = gdn.replay_state(e.k[:n], e.v[:n], e.g[:n], e.beta[:n],
                                                ssm_cache[slot])
 
     @staticmethod
     def _commit_round(e: GDNBlockJournal, conv_cache, ssm_cache, num_kept: list[int],
-                      in_place: bool) -> None:
+                      in_place: bool, taps: gdn_slots.Taps | None = None) -> None:
         """Batched commit: sequence i keeps its first n_i block tokens. The replay runs all L
         steps for everyone with g = β = 0 past n_i, which leaves a state exactly unchanged (the
         slots kernel, `in_place`, stops at n_i instead and writes the states where they are);
         the conv state is the K−1 inputs ending at n_i: conv_seq[:, :, n_i : n_i + K−1] (in
-        place by slot in one launch with the slots kernel)."""
-        width = e.g.shape[1]
+        place by slot in one launch with the slots kernel). Taps: the slots kernel stores the
+        state at the boundary as it passes it; the batched replay runs a second time up to
+        the boundaries (writing a sequence's own slot where it has none, before the commit
+        overwrites it: no host sync)."""
         n = torch.as_tensor(num_kept, device=e.g.device)  # [S]; a device tensor stays put
         if in_place:
             gdn_slots.recurrent_slots(e.k, e.k, e.v, e.g, e.beta, ssm_cache, e.slots,
-                                      num_kept=n, write_state=True, need_output=False)
-        else:
-            keep = torch.arange(width, device=e.g.device)[None, :] < n[:, None]  # [S, L]
-            g = e.g.masked_fill(~keep[..., None], 0.0)
-            beta = e.beta.masked_fill(~keep[..., None], 0.0)
-            _, state = gdn.gated_delta_rule_batched(e.k, e.k, e.v, g, beta, ssm_cache[e.slots])
-            ssm_cache[e.slots] = state.to(ssm_cache.dtype)
-        commit = gdn_slots.commit_conv if in_place else gdn_slots.commit_conv_reference
-        commit(e.conv_seq, conv_cache, e.slots, n)
+                                      num_kept=n, write_state=True, need_output=False, taps=taps)
+            gdn_slots.commit_conv(e.conv_seq, conv_cache, e.slots, n, taps)
+            return
+        if taps is not None:
+            tap = taps.kept(n)
+            ssm_cache[torch.where(tap > 0, taps.slots, e.slots)] = _replayed(e, ssm_cache, tap)
+        ssm_cache[e.slots] = _replayed(e, ssm_cache, n)
+        gdn_slots.commit_conv_reference(e.conv_seq, conv_cache, e.slots, n, taps)
+
+
+def _replayed(e: GDNBlockJournal, ssm_cache: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """[S, H, Dk, Dv] each sequence's committed state advanced over its first n_s block tokens
+    (g = β = 0 past them), in the cache's dtype."""
+    keep = torch.arange(e.g.shape[1], device=e.g.device)[None, :] < n[:, None]  # [S, L]
+    g = e.g.masked_fill(~keep[..., None], 0.0)
+    beta = e.beta.masked_fill(~keep[..., None], 0.0)
+    _, state = gdn.gated_delta_rule_batched(e.k, e.k, e.v, g, beta, ssm_cache[e.slots])
+    return state.to(ssm_cache.dtype)

@@ -1,9 +1,10 @@
 """Prefix caching is exact: with the cache, greedy output (and the draft's acceptance, which
 reads the shared pages' context K/V) is token for token what the same engine without it
 produces, for repeated prompts, prompts sharing a system prompt concurrently, prompts that
-diverge inside a page, at a page boundary and between snapshots, under eviction, and with a
-seeded sampler; an aborted prefill leaves nothing a later prompt can hit. And the cache's
-bookkeeping: hash chains, hits at the deepest snapshot, reference counts, eviction order."""
+diverge inside a page, at a page boundary and between snapshots, under eviction, with a
+seeded sampler, and for a next turn that resumes at the snapshot a finished answer left; an
+aborted prefill leaves nothing a later prompt can hit. And the cache's bookkeeping: hash
+chains, hits at the deepest snapshot, reference counts, eviction order, boundary slots."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from cluster.block_manager import BlockManager
 from cluster.engine import LLMEngine
 from cluster.prefix_cache import PrefixCache, page_keys
+from cluster.scheduler import Scheduler
 from cluster.sequence import Sequence
 from configs.engine import EngineConfig, SamplingParams
 
@@ -124,21 +126,80 @@ def test_snapshots_in_the_middle_of_a_chain_are_evicted_before_its_end():
                                         cache.snapshots[keys[1]].slot}) is None
 
 
+def test_a_branch_point_outlives_the_middle_of_a_single_chain():
+    """A snapshot several chains go on from serves prompts of each: it is evicted as a leaf
+    is (least recently used), after a snapshot that has one deeper one after it."""
+    cache = PrefixCache(P, [10, 11, 12, 13, 14])
+    shared = tokens(4, 1)
+    a, b = page_keys(shared + tokens(8, 2), P), page_keys(shared + tokens(8, 3), P)
+    cache.enter_pages(a, [0, 1, 2])
+    cache.enter_pages(b[1:], [3, 4])
+    for key, pages, parent in ((a[0], 1, None), (a[1], 2, a[0]), (a[2], 3, a[1]),
+                               (b[2], 3, a[0])):
+        assert cache.enter_snapshot(key, cache.reserve_snapshot(), pages, parent)
+    assert cache.snapshots[a[0]].children == 2  # a branch point, least recently used
+    cache.free_snapshot_slots.clear()
+    cache.reserve_snapshot()  # a[1]: one deeper snapshot after it
+    assert a[1] not in cache.snapshots and a[0] in cache.snapshots
+    cache.reserve_snapshot()  # then the least recently used: the branch point
+    assert a[0] not in cache.snapshots
+
+
+def test_boundary_slots_are_lent_from_half_the_pool_and_come_back_as_snapshots():
+    cache = PrefixCache(P, [10, 11, 12, 13])
+    keys = page_keys(tokens(16, 1), P)
+    cache.enter_pages(keys, [0, 1, 2, 3])
+    first, second = cache.lend_boundary_slot(), cache.lend_boundary_slot()
+    assert None not in (first, second) and cache.lend_boundary_slot() is None  # half the pool
+    assert cache.return_boundary_slot(first, keys[3], 4, None)  # page 4's snapshot now
+    assert cache.snapshots[keys[3]].slot == first and first not in cache.free_snapshot_slots
+    assert not cache.return_boundary_slot(second, None, 0, None)  # no boundary reached
+    assert second in cache.free_snapshot_slots and cache.boundary_slots == set()
+    lent = cache.lend_boundary_slot()
+    cache.reset()  # an engine restart: a lent slot is the pool's again, its return ignored
+    assert sorted(cache.free_snapshot_slots) == [10, 11, 12, 13]
+    assert not cache.return_boundary_slot(lent, keys[2], 3, None)
+    assert sorted(cache.free_snapshot_slots) == [10, 11, 12, 13]
+
+
+def test_chunks_end_at_page_boundaries_and_the_prompts_snapshot_is_taken_inside_one():
+    """A 23-token prompt at 10 tokens a step, pages of 4: the budget's cuts end at page
+    boundaries (snapshots at 8 and 16); the last chunk runs to the prompt's end and takes its
+    snapshot at 20, inside it (no step of its own)."""
+    blocks = BlockManager(64, P, 2, PrefixCache(P, [10, 11]))
+    sched = Scheduler(blocks, max_num_seqs=2, max_model_len=200, lookahead=4,
+                      max_num_batched_tokens=10)
+    seq = Sequence(0, "r", tokens(23, 1), SamplingParams(max_tokens=4))
+    sched.add(seq)
+    chunks = []
+    while not seq.prefilled:
+        (n,) = sched.schedule().chunk_lens
+        chunks.append((n, sched.snapshot_in(seq, n)))
+        seq.num_cached += n
+    assert chunks == [(8, 8), (8, 16), (7, 20)]
+
+
 # ---- exactness through the engine -------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_demo):
     """Engines over the demo pair, fp32, pages of 4 tokens, prompts fed 24 at a time: without
-    and with the cache, and with it over a pool small enough to evict."""
-    target, draft = map(str, tiny_demo)
+    and with the cache (63 snapshot slots: no snapshot is evicted here), and with it over a
+    pool of pages small enough to evict."""
+    return (make_engine(tiny_demo, enable_prefix_caching=False),
+            make_engine(tiny_demo, prefix_cache_state_gb=STATE_GB),
+            make_engine(tiny_demo, num_pages=90))
 
-    def make(**kw):
-        return LLMEngine(EngineConfig(model=target, draft_model=draft, max_num_seqs=4,
-                                      max_model_len=160, page_size=P,
-                                      max_num_batched_tokens=24, **kw))
 
-    return make(enable_prefix_caching=False), make(), make(num_pages=90)
+STATE_GB = 0.004  # 63 snapshots of the demo target (67,584 bytes each)
+
+
+def make_engine(tiny_demo, draft: bool = True, **kw) -> LLMEngine:
+    target, draft_dir = map(str, tiny_demo)
+    return LLMEngine(EngineConfig(model=target, draft_model=draft_dir if draft else None,
+                                  max_num_seqs=4, max_model_len=160, page_size=P,
+                                  max_num_batched_tokens=24, **kw))
 
 
 def same(cold: LLMEngine, warm: LLMEngine, batches: list[list[list[int]]],
@@ -162,9 +223,9 @@ def test_repeated_and_extended_prompts_hit_and_match_the_cold_engine(engines):
     assert first.num_cached_tokens == 0
     again, longer = same(cold, warm, [[prompt], [prompt + first.output_ids + tokens(9, 4)]])
     assert again.num_cached_tokens == 44  # the snapshot before the last token's page
-    # a follow-up turn: the previous prompt and answer and more; the hit is at the first
-    # prompt's snapshot or later
-    assert longer.num_cached_tokens == 44
+    # a follow-up turn: the previous prompt and answer and more; it hits the snapshot the
+    # first answer left at its last full page (45 + 24 tokens: 68)
+    assert longer.num_cached_tokens == 68
 
 
 def test_a_shared_system_prompt_hits_concurrently_and_diverging_prompts_match(engines):
@@ -201,6 +262,33 @@ def test_a_multi_turn_chat_through_the_template_hits_its_earlier_turns(engines, 
         messages += [{"role": "assistant",
                       "content": tok.decode(out.output_ids, skip_special_tokens=True)},
                      {"role": "user", "content": f"And on day {turn + 1}?"}]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "per-seq", "autoregressive"])
+def test_a_finished_request_leaves_a_snapshot_at_its_last_full_page(engines, tiny_demo, kind):
+    """The boundary slot a decoding sequence holds: after a length, the next turn resumes at
+    the answer's last full page; after a stop token, at most where the kept tokens end (the
+    last round may have kept drafts past the stop). Through the batched commit, the
+    per-sequence one (KernelConfig gdn_rounds) and plain decoding (no draft: the state is
+    copied when a decode reaches a boundary)."""
+    cold, warm = engines[:2]
+    if kind == "per-seq":
+        warm = make_engine(tiny_demo, prefix_cache_state_gb=STATE_GB,
+                           kernel_overrides="gdn_rounds=per-seq")
+    elif kind == "autoregressive":
+        cold = make_engine(tiny_demo, draft=False, enable_prefix_caching=False)
+        warm = make_engine(tiny_demo, draft=False, prefix_cache_state_gb=STATE_GB)
+    prompt = tokens(37, 60)
+    first = same(cold, warm, [[prompt]])[0]  # 37 + 24 tokens: its last full page ends at 60
+    follow = same(cold, warm, [[prompt + first.output_ids + tokens(7, 61)]])[0]
+    assert follow.num_cached_tokens == 60
+    assert warm.prefix.boundary_slots == set()  # every lent slot came back
+    stop = first.output_ids[12]  # (its first occurrence ends the answer there or before)
+    params = SamplingParams(max_tokens=24, stop_token_ids=[stop])
+    cut = same(cold, warm, [[tokens(37, 62)]], params)[0]  # (its own prompt)
+    end = 37 + len(cut.output_ids)
+    follow = same(cold, warm, [[tokens(37, 62) + cut.output_ids + tokens(7, 63)]])[0]
+    assert 36 <= follow.num_cached_tokens <= end
 
 
 def test_eviction_under_memory_pressure_keeps_outputs_exact(engines):
@@ -248,7 +336,8 @@ def test_a_step_that_fails_enters_nothing(engines):
 
 @pytest.mark.gpu
 def test_on_the_gpu_with_cuda_graphs_the_cache_changes_no_output(tiny_demo):
-    """The snapshot copies on the device, the Triton prefill and the captured rounds."""
+    """The snapshot copies on the device, the Triton prefill and the captured rounds (their
+    commits' taps included)."""
     target, draft = map(str, tiny_demo)
 
     def make(**kw):
@@ -261,3 +350,6 @@ def test_on_the_gpu_with_cuda_graphs_the_cache_changes_no_output(tiny_demo):
     asks = [system + tokens(n, 10 + n) for n in (3, 12, 30)]
     outs = same(cold, warm, [asks, asks])
     assert all(o.num_cached_tokens >= 48 for o in outs[1:])
+    # the captured commit's taps: a next turn resumes at the answer's last full page
+    follow = same(cold, warm, [[asks[0] + outs[3].output_ids + tokens(7, 61)]])[0]
+    assert follow.num_cached_tokens == (len(asks[0]) + len(outs[3].output_ids)) // P * P

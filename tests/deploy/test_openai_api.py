@@ -500,6 +500,7 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, oai):
         assert vllm is None or after[(vllm, ())] == after[(ours, ())]
     assert 0 < after[("dflash_prefix_cache_hit_rate", ())] <= 1
     assert after[("dflash_prefix_cache_snapshots", ())] > 0
+    assert after[("dflash_prefix_cache_boundary_slots", ())] == 0  # both came back at their end
 
 
 def test_oversized_requests_are_refused_before_they_are_read_or_tokenized(server, oai):

@@ -359,6 +359,64 @@ def conv_commits(device: str) -> dict[str, bool]:
     return out
 
 
+def tap_commits(device: str, rec=recurrent_slots, conv=commit_conv) -> dict[str, bool]:
+    """A commit with taps (gdn_slots.Taps), bit for bit: each committed slot as the commit
+    without taps leaves it; each tapped sequence's boundary slot holding its state (the
+    recurrence over its first t tokens alone) and conv state (conv_seq's window at t) after
+    its tap's t tokens, and every other slot untouched. Pages of 4; sequences starting at
+    positions 6, 3, 9 and 2 keeping 5, 6, 2 and 6 of 6 tokens, ending at 100, 100, 100 and 6:
+    taps after 2 tokens (position 8), 5 (positions 4 and 8 are reached: the last), none
+    (9 + 2 < 12), and 2 (position 4: its end at 6 keeps it from 8)."""
+    gen = torch.Generator().manual_seed(5)
+    n_seqs, length, hk, hv, dk, dv, channels, k_1, page = 4, 6, 2, 4, 16, 16, 24, 3, 4
+    q, k, v, g, beta, cache = problem(n_seqs, length, hk, hv, dk, dv, torch.float32, device,
+                                      seed=4, cache_slots=12)
+    conv_seq = torch.randn(n_seqs, channels, k_1 + length, generator=gen).to(device)
+    conv_cache = torch.randn(12, channels, k_1, generator=gen).to(device)
+    slots = torch.tensor([5, 1, 3, 7], device=device)
+    kept = torch.tensor([5, 6, 2, 6], device=device)
+    taps = gdn_slots.Taps(torch.tensor([8, 9, 10, 11], device=device),
+                          torch.tensor([6, 3, 9, 2], device=device),
+                          torch.tensor([100, 100, 100, 6], device=device), page)
+    want_t = [2, 5, 0, 2]
+    plain, plain_conv = cache.clone(), conv_cache.clone()
+    rec(q, k, v, g, beta, plain, slots, num_kept=kept, write_state=True, need_output=False)
+    conv(conv_seq, plain_conv, slots, kept)
+    tapped, tapped_conv = cache.clone(), conv_cache.clone()
+    rec(q, k, v, g, beta, tapped, slots, num_kept=kept, write_state=True, need_output=False,
+        taps=taps)
+    conv(conv_seq, tapped_conv, slots, kept, taps)
+    alone = cache.clone()  # the state after t tokens: the commit of t tokens, taps off
+    rec(q, k, v, g, beta, alone, slots, num_kept=torch.tensor(want_t, device=device),
+        write_state=True, need_output=False)
+    out = {"committed": torch.equal(tapped[slots], plain[slots])
+           and torch.equal(tapped_conv[slots], plain_conv[slots])}
+    for s, t in enumerate(want_t):
+        slot = int(taps.slots[s])
+        if t == 0:
+            out[f"untapped {s}"] = (torch.equal(tapped[slot], cache[slot])
+                                    and torch.equal(tapped_conv[slot], conv_cache[slot]))
+        else:
+            out[f"state {s}"] = torch.equal(tapped[slot], alone[int(slots[s])])
+            out[f"conv {s}"] = torch.equal(tapped_conv[slot],
+                                           conv_seq[s, :, t : t + k_1].to(conv_cache.dtype))
+    others = [i for i in range(12) if i not in slots.tolist() + taps.slots.tolist()]
+    out["others"] = (torch.equal(tapped[others], cache[others])
+                     and torch.equal(tapped_conv[others], conv_cache[others]))
+    return out
+
+
+def test_taps_leave_the_boundary_states_in_the_reference():
+    got = tap_commits("cpu", recurrent_slots_reference, commit_conv_reference)
+    assert len(got) == 9 and all(got.values()), got
+
+
+@needs_triton
+def test_taps_leave_the_boundary_states_in_the_kernel(interpreted):
+    got = interpreted["tap_commits"] if interpreted is not None else tap_commits("cuda")
+    assert len(got) == 9 and all(got.values()), got
+
+
 @needs_triton
 def test_the_conv_commit_equals_its_reference(interpreted):
     got = interpreted["conv_commits"] if interpreted is not None else conv_commits("cuda")
@@ -372,4 +430,4 @@ if __name__ == "__main__":  # the interpreter child of errors()
     print(json.dumps({"errors": errors_,
                       "consistency": consistency("cpu"), "model_rounds": model_rounds("cpu"),
                       "block_vs_decode": block_vs_decode("cpu"),
-                      "conv_commits": conv_commits("cpu")}))
+                      "conv_commits": conv_commits("cpu"), "tap_commits": tap_commits("cpu")}))

@@ -8,6 +8,10 @@
 #   serve    `dflash-serve serve --load-format dummy` on the 35B-A3B architecture (the tiny
 #            demo's tokenizer), without a draft (AR) and with one (DFlash, B = 16), each measured
 #            by bench/serving.py at concurrency 1 and 8 (512-token prompts, 128 tokens)
+#   prefix   the same DFlash server with and without the prefix cache, each measured by
+#            bench/serving.py's multi-turn (a 16k history, 8 turns of +512 / 256 tokens) and
+#            shared-prefix (32 requests, a 32k prefix, 256-token questions, concurrency 8)
+#            workloads (needs --max-model-len ≥ 33,300 in SERVE_ARGS)
 # Needs: fla, Ray Serve and the openai client importable, or their wheels in .whl/ on a host
 #        without package access (pip download --no-deps; tools/gpu/env.sh installs them);
 #        bench/serving.py needs the client's own: openai, httpx2, httpcore2, truststore,
@@ -29,23 +33,29 @@ ITERS=${BENCH_ITERS:-20}
 BENCH="--random-weights --preset qwen3.5-35b-a3b --device cuda --batch-sizes 1 8 --block-sizes 16
   --prompt-len 512 --iters $ITERS --warmup 3 --no-baseline"
 
-serve_and_measure() {  # name, extra serve flags
+PORT=8123
+start_server() {  # name, extra serve flags; status 1 (after its errors) where it did not start
   local name=$1; shift
-  local port=8123 dirs=/tmp/dummy_35b
+  local dirs=/tmp/dummy_35b
   python3 -m configs.presets qwen3.5-35b-a3b $dirs --tokenizer-from tests/assets/tiny/target \
     > /dev/null
   local t0=$SECONDS
   timeout ${SERVE_TIMEOUT:-420} python3 -m deploy.cli serve --model $dirs/target "$@" \
-    --load-format dummy --tp 1 --device cuda --port $port --served-model-name dummy ${SERVE_ARGS:-} \
+    --load-format dummy --tp 1 --device cuda --port $PORT --served-model-name dummy ${SERVE_ARGS:-} \
     > "$OUT/serve_$name.log" 2>&1 &
   for _ in $(seq 300); do sleep 1; grep -q "Ctrl-C\|Error\|error:" "$OUT/serve_$name.log" && break; done
   if ! grep -q "Ctrl-C" "$OUT/serve_$name.log"; then
     echo "$name: did not start ($((SECONDS - t0)) s):" | tee -a "$OUT/serve_times.txt"
     grep -E "Error|error:" "$OUT/serve_$name.log" | tail -2 | cut -c1-600
     stop_server 10
-    return
+    return 1
   fi
   echo "$name: ready after $((SECONDS - t0)) s" | tee -a "$OUT/serve_times.txt"
+}
+
+serve_and_measure() {  # name, extra serve flags
+  local name=$1 port=$PORT
+  start_server "$@" || return
   timeout ${SERVE_TIMEOUT:-420} python3 -m bench.serving --base-url http://127.0.0.1:$port \
     --concurrency 1 8 --num-prompts ${SERVE_PROMPTS:-16} --prompt-len 512 --output-len 128 \
     --out-dir "$OUT/serving_$name" 2>&1 | tail -8
@@ -75,4 +85,22 @@ cluster)
 serve)
   [ "${SERVE_ONLY:-}" = spec ] || serve_and_measure ar
   serve_and_measure spec --draft-model /tmp/dummy_35b/draft --speculative-dflash-block-size 16 ;;
+prefix)  # the prefix cache's workloads, with the cache (on) and without it (off)
+  for mode in on off; do
+    flags=(--draft-model /tmp/dummy_35b/draft --speculative-dflash-block-size 16)
+    [ $mode = off ] && flags+=(--no-enable-prefix-caching)
+    start_server prefix_$mode "${flags[@]}" || continue
+    url=http://127.0.0.1:$PORT
+    timeout ${SERVE_TIMEOUT:-420} python3 -m bench.serving --base-url $url --workload multi-turn \
+      --history-len 16384 --turns 8 --turn-len 512 --output-len 256 \
+      --out-dir "$OUT/prefix_$mode" 2>&1 | grep -E "^turn|Error" | cut -c1-300
+    timeout ${SERVE_TIMEOUT:-420} python3 -m bench.serving --base-url $url \
+      --workload shared-prefix --num-prompts 32 --shared-len 32768 --question-len 256 \
+      --concurrency 8 --output-len 128 --out-dir "$OUT/prefix_$mode" 2>&1 \
+      | grep -E "^shared|Error" | cut -c1-300
+    curl -s $url/metrics | grep -E "^dflash_(prefix_cache|draft_time|verify_time)" \
+      > "$OUT/metrics_prefix_$mode.txt"
+    grep -E "prefix cache|snapshots" "$OUT/serve_prefix_$mode.log" | head -2 | cut -c1-300
+    stop_server 10
+  done ;;
 esac; done
