@@ -142,10 +142,11 @@ def _gdn_variants() -> list[Variant]:
     from target.kernels import gdn_slots
 
     names = ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "state_ptr", "slots_ptr",
-             "kept_ptr", "o_ptr"]
-    types = ["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*i64", "*i64", "*bf16"]
+             "kept_ptr", "o_ptr", "tap_slots_ptr", "tap_starts_ptr", "tap_ends_ptr"]
+    types = ["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*fp32", "*i64", "*i64", "*bf16",
+             "*i64", "*i64", "*i64"]
     sig = dict(zip(names, types, strict=True))
-    sig.update({n: I32 for n in ("length", "v_heads", "group", "dv")})
+    sig.update({n: I32 for n in ("length", "v_heads", "group", "dv", "page", "stride_tap")})
     for prefix, count in (("q", 4), ("k", 4), ("v", 4), ("g", 3), ("b", 3), ("c", 4), ("o", 4)):
         dims = {4: ("s", "t", "h", "d"), 3: ("s", "t", "h")}[count]
         if prefix == "c":
@@ -153,13 +154,15 @@ def _gdn_variants() -> list[Variant]:
         sig.update({f"stride_{prefix}{d}": I32 for d in dims})
     out = []
     launch = gdn_slots.LAUNCH
-    for label, length, kept, write, need in (("decode", 1, False, True, True),
-                                             ("verify", 16, False, False, True),
-                                             ("commit", 16, True, True, False)):
+    # the commit as the captured rounds run it: with taps (the prefix cache's boundary slots)
+    for label, length, kept, write, need, tap in (("decode", 1, False, True, True, False),
+                                                  ("verify", 16, False, False, True, False),
+                                                  ("commit", 16, True, True, False, True)):
         # q, k [S, L, 16, 128] contiguous; v a view of the conv output (8192 channels per
         # token); g, β [S, L, 32]; the cache [N, 32, 128, 128]; o [S, L, 32, 128]
         qk = {"s": length * 2048, "t": 2048, "h": 128, "d": 1}
-        values = {"length": length, "v_heads": 32, "group": 2, "dv": 128,
+        values = {"length": length, "v_heads": 32, "group": 2, "dv": 128, "page": 16,
+                  "stride_tap": length,
                   **{f"stride_q{d}": v for d, v in qk.items()},
                   **{f"stride_k{d}": v for d, v in qk.items()},
                   **dict(zip(("stride_vs", "stride_vt", "stride_vh", "stride_vd"),
@@ -175,19 +178,22 @@ def _gdn_variants() -> list[Variant]:
         out.append(Variant(f"gdn slots {label}", "target.kernels.gdn_slots",
                            "_recurrent_slots_kernel", sig,
                            {"DK": 128, "BLOCK_V": launch.block_v, "HAS_KEPT": kept,
-                            "WRITE_STATE": write, "NEED_OUTPUT": need},
+                            "WRITE_STATE": write, "NEED_OUTPUT": need, "TAP": tap},
                            {"num_warps": launch.warps}, values))
     conv = {"Seq": "*bf16", "Cache": "*bf16", "Slots": "*i64", "Kept": "*i64",
-            "n_fixed": I32, "channels": I32}
+            "TapSlots": "*i64", "TapStarts": "*i64", "TapEnds": "*i64", "n_fixed": I32,
+            "channels": I32, "page": I32, "stride_tap": I32}
     conv.update({n: I32 for n in ("stride_qs", "stride_qc", "stride_ql", "stride_cn",
                                   "stride_cc", "stride_ck")})
     for label, length, per_seq in (("decode", 1, False), ("commit", 16, True)):
         # conv_seq [S, 8192, 3 + L] contiguous; the cache [N, 8192, 3]
         out.append(Variant(f"gdn conv commit {label}", "target.kernels.gdn_slots",
                            "_commit_conv_kernel", conv,
-                           {"K_1": 3, "BLOCK_C": gdn_slots.CONV_BLOCK, "PER_SEQ": per_seq},
+                           {"K_1": 3, "BLOCK_C": gdn_slots.CONV_BLOCK, "PER_SEQ": per_seq,
+                            "TAP": per_seq},
                            {"num_warps": 4},
-                           {"n_fixed": 0 if per_seq else 1, "channels": 8192,
+                           {"n_fixed": 0 if per_seq else 1, "channels": 8192, "page": 16,
+                            "stride_tap": length,
                             "stride_qs": 8192 * (3 + length), "stride_qc": 3 + length,
                             "stride_ql": 1, "stride_cn": 8192 * 3, "stride_cc": 3,
                             "stride_ck": 1}))

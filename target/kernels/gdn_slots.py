@@ -288,6 +288,18 @@ if triton is not None:
         return s + kt[:, None] * delta[None, :]
 
     @triton.jit
+    def _advance(s, t, q_row, k_row, v_row, g_at, b_at, o_row, col_ok, stride_qt, stride_kt,
+                 stride_vt, stride_gt, stride_bt, stride_ot, NEED_OUTPUT: tl.constexpr):
+        """Token t: the state advanced over it (and, NEED_OUTPUT, its output emitted)."""
+        kt, vt, gt, bt = _token_inputs(k_row, v_row, g_at, b_at, t, col_ok, stride_kt,
+                                       stride_vt, stride_gt, stride_bt)
+        s = _step(s, kt, vt, gt, bt)
+        if NEED_OUTPUT:
+            qt = tl.load(q_row + t * stride_qt).to(tl.float32)
+            _emit(s, qt, o_row + t * stride_ot, col_ok)
+        return s
+
+    @triton.jit
     def _recurrent_slots_kernel(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, kept_ptr, o_ptr,
             tap_slots_ptr, tap_starts_ptr, tap_ends_ptr, length, v_heads, group, dv, page,
@@ -324,25 +336,25 @@ if triton is not None:
         g_at = g_ptr + seq * stride_gs + head * stride_gh
         b_at = beta_ptr + seq * stride_bs + head * stride_bh
         o_row = o_ptr + seq * stride_os + head * stride_oh + cols * stride_od
-        tap_t = -1  # the token after which the state is at the boundary (Taps); −1: none
-        tap_tile = tile
+        # Taps: the tokens up to the boundary, the state stored there, then the rest (two
+        # loops, no branch inside one: the commit keeps its registers)
+        first = n
         if TAP:
             tap_slot = tl.load(tap_slots_ptr + seq).to(tl.int64)
             start = tl.load(tap_starts_ptr + seq * stride_tap).to(tl.int64)
             reach = tl.minimum(start + n, tl.load(tap_ends_ptr + seq).to(tl.int64))
-            tap_t = tl.where(tap_slot >= 0, reach // page * page - start - 1, -1)
-            tap_tile = (state_ptr + tl.maximum(tap_slot, 0) * stride_cn + head * stride_ch
-                        + rows[:, None] * stride_ck + cols[None, :] * stride_cv)
-        for t in range(0, n):  # (q loaded after the step: fewer registers live across it)
-            kt, vt, gt, bt = _token_inputs(k_row, v_row, g_at, b_at, t, col_ok, stride_kt,
-                                           stride_vt, stride_gt, stride_bt)
-            s = _step(s, kt, vt, gt, bt)
-            if TAP:
-                if t == tap_t:
-                    tl.store(tap_tile, s, mask=col_ok[None, :])
-            if NEED_OUTPUT:
-                qt = tl.load(q_row + t * stride_qt).to(tl.float32)
-                _emit(s, qt, o_row + t * stride_ot, col_ok)
+            first = tl.where(tap_slot >= 0, reach // page * page - start, 0).to(tl.int32)
+            first = tl.minimum(tl.maximum(first, 0), n)
+        for t in range(0, first):  # (q loaded after the step: fewer registers live across it)
+            s = _advance(s, t, q_row, k_row, v_row, g_at, b_at, o_row, col_ok, stride_qt,
+                         stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, NEED_OUTPUT)
+        if TAP:
+            if first > 0:
+                tl.store(tile + (tap_slot - slot) * stride_cn, s, mask=col_ok[None, :])
+            for t in range(first, n):
+                s = _advance(s, t, q_row, k_row, v_row, g_at, b_at, o_row, col_ok, stride_qt,
+                             stride_kt, stride_vt, stride_gt, stride_bt, stride_ot,
+                             NEED_OUTPUT)
         if NEED_OUTPUT:
             if HAS_KEPT:  # past the kept tokens the state stands still: o = Sᵀq only
                 for t in range(n, length):

@@ -125,15 +125,15 @@ def test_the_prefix_cache_workloads_report_cached_tokens(base_url, tmp_path):
     turns = serving.main([*common, "--workload", "multi-turn", "--history-len", "40",
                           "--turns", "3", "--turn-len", "10"])["multi-turn"]["turns"]
     assert [t["prompt_tokens"] for t in turns] == [50, 68, 86]  # + 10 new and 8 answered
-    # a turn hits at the previous prompt's last page boundary before its last token (pages
-    # of 8): everything the previous turn sent but its last page's tokens
-    assert [t["cached_tokens"] for t in turns] == [0, 48, 64]
+    # a turn hits at the previous answer's last full page (pages of 8): 50 + 8 tokens sent
+    # and answered by the first turn, 56; 68 + 8 by the second, 72
+    assert [t["cached_tokens"] for t in turns] == [0, 56, 72]
     shared = serving.main([*common, "--workload", "shared-prefix", "--num-prompts", "5",
                            "--shared-len", "48", "--question-len", "6", "--concurrency",
                            "1", "--seed", "1"])["shared-prefix"]
     assert (shared["requests"], shared["errors"], shared["prompt_tokens"]) == (5, 0, 5 * 54)
-    # the first request snapshots the shared prompt where its chunk ends (its last page
-    # boundary, 48); each later one starts there
+    # the first request snapshots its prompt at its last page boundary before its last token
+    # (48, inside its one chunk: the shared prompt); each later one starts there
     assert [r["cached_tokens"] for r in shared["per_request"]] == [0, 48, 48, 48, 48]
     saved = json.loads((tmp_path / "shared-prefix.json").read_text())
     assert saved["command"].startswith("python -m bench.serving") and saved["model"] == MODEL
