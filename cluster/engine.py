@@ -169,6 +169,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def step_in_flight(self) -> ScheduledStep | None:
+        """The step begun and not finished yet (what it runs: bench/prefix.py's breakdown)."""
+        return self._in_flight
+
     def _flush_if_idle(self) -> None:
         """Finished sequences ride the next step to the executor's side; with no next step in
         sight, a RELEASE message drops them now."""
