@@ -8,6 +8,8 @@
 #   serve    `dflash-serve serve --load-format dummy` on the 35B-A3B architecture (the tiny
 #            demo's tokenizer), without a draft (AR) and with one (DFlash, B = 16), each measured
 #            by bench/serving.py at concurrency 1 and 8 (512-token prompts, 128 tokens)
+#   prefix_inproc  bench/prefix.py: the multi-turn conversation in process (35B-A3B shapes,
+#            random weights), with and without the prefix cache, per-turn TTFT and prefill steps
 #   prefix   the same DFlash server with and without the prefix cache, each measured by
 #            bench/serving.py's multi-turn (a 16k history, 8 turns of +512 / 256 tokens) and
 #            shared-prefix (32 requests, a 32k prefix, 256-token questions, concurrency 8)
@@ -85,6 +87,10 @@ cluster)
 serve)
   [ "${SERVE_ONLY:-}" = spec ] || serve_and_measure ar
   serve_and_measure spec --draft-model /tmp/dummy_35b/draft --speculative-dflash-block-size 16 ;;
+prefix_inproc)  # the multi-turn conversation in process, with and without the cache
+  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.prefix --preset qwen3.5-35b-a3b --device cuda \
+    --max-model-len 32768 --max-num-seqs 8 --gpu-memory-utilization 0.97 \
+    --out "$OUT/prefix_inproc.json" 2>&1 | grep -vE "falling back|NCCL INFO" | tail -12 ;;
 prefix)  # the prefix cache's workloads, with the cache (on) and without it (off)
   for mode in on off; do
     flags=(--draft-model /tmp/dummy_35b/draft --speculative-dflash-block-size 16)
