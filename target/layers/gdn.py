@@ -223,7 +223,8 @@ class GatedDeltaNet(nn.Module):
             return
         entries = iter(entries)
         kept = iter(num_kept)
-        tap_slots = taps.slots.tolist() if taps is not None else [-1] * batch.num_seqs
+        tap_slots, tap_ends = ((taps.slots.tolist(), taps.ends.tolist()) if taps is not None
+                               else ([-1] * batch.num_seqs, [0] * batch.num_seqs))
         for s in range(batch.num_seqs):
             if not batch.is_verify[s]:
                 continue
@@ -233,7 +234,8 @@ class GatedDeltaNet(nn.Module):
             width = conv_cache.shape[-1]
             seq = torch.cat([conv_cache[slot], e.mixed_qkv[:n].t().to(conv_cache.dtype)], dim=-1)
             start = batch.seq_lens[s] - batch.query_lens[s]
-            tap = (start + n) // caches.page_size * caches.page_size - start
+            reach = min(start + n, tap_ends[s])  # (gdn_slots.Taps)
+            tap = reach // caches.page_size * caches.page_size - start
             if tap_slots[s] >= 0 and tap > 0:  # the state at the boundary, before the commit's
                 conv_cache[tap_slots[s]] = seq[:, tap : tap + width]
                 ssm_cache[tap_slots[s]] = gdn.replay_state(

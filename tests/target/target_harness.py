@@ -39,8 +39,11 @@ class TargetHarness:
         self.last_batch = batch
         return [logits[cu[i] : cu[i + 1]] for i in range(len(seqs))]
 
-    def commit(self, kept: list[int]) -> None:
-        self.model.commit_verify(self.last_batch, self.caches, kept)
+    def commit(self, kept: list[int], tap_slots: list[int] | None = None,
+               tap_ends: list[int] | None = None) -> None:
+        taps = (None, None) if tap_slots is None else (torch.tensor(tap_slots),
+                                                      torch.tensor(tap_ends))
+        self.model.commit_verify(self.last_batch, self.caches, kept, *taps)
 
 
 @torch.inference_mode()

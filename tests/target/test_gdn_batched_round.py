@@ -50,6 +50,38 @@ def test_batched_round_equals_per_sequence(tiny_models, L):
         assert_runs_close(got, want)
 
 
+def test_taps_are_the_same_through_the_per_sequence_and_the_batched_commit(tiny_models):
+    """A round's commit with taps (gdn_slots.Taps, pages of 4): sequences starting at 3, 11
+    and 7 keep 5, 5 and 3 tokens; the second may not pass position 13. Their boundary slots
+    get the states after 5 tokens (position 8), 1 (12: not 16, past its end) and 1 (8), the
+    same through both commits; no other slot changes."""
+    states = []
+    for rounds in ("batched", "per-seq"):
+        harness = TargetHarness(tiny_models / "target")
+        harness.model.set_kernels(KernelConfig(gdn_rounds=rounds), graphs=False)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 11, 7)]
+        tables, slots = [harness.pages(64) for _ in prompts], [5, 1, 3]
+        harness.logits([harness.seq(i, p, 0, tables[i], slots[i])
+                        for i, p in enumerate(prompts)], verify=False)
+        blocks = [torch.randint(0, 300, (5,), generator=g).tolist() for _ in prompts]
+        harness.logits([harness.seq(i, b, len(prompts[i]), tables[i], slots[i])
+                        for i, b in enumerate(blocks)], verify=True)
+        before = [(harness.caches.conv[i].clone(), harness.caches.ssm[i].clone())
+                  for i in harness.model.config.linear_attention_layers]
+        harness.commit([5, 5, 3], tap_slots=[6, 7, 4], tap_ends=[100, 13, 100])
+        after = [(harness.caches.conv[i], harness.caches.ssm[i])
+                 for i in harness.model.config.linear_attention_layers]
+        for (conv0, ssm0), (conv1, ssm1) in zip(before, after, strict=True):
+            assert torch.equal(conv0[[0, 2]], conv1[[0, 2]]) and torch.equal(ssm0[[0, 2]],
+                                                                              ssm1[[0, 2]])
+        states.append([(c[[6, 7, 4]].clone(), s[[6, 7, 4]].clone()) for c, s in after])
+    # (the batched commit's taps are the kernel's reference: tests/target/test_gdn_slots.py)
+    for (conv_a, ssm_a), (conv_b, ssm_b) in zip(*states, strict=True):
+        torch.testing.assert_close(conv_a, conv_b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ssm_a, ssm_b, atol=1e-5, rtol=1e-5)
+
+
 def assert_runs_close(got, want) -> None:
     for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
