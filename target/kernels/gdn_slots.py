@@ -180,20 +180,20 @@ def recurrent_slots_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if write_state and taps is not None:
         n = torch.full_like(slots, length) if num_kept is None else num_kept
         tap = taps.kept(n)
-        _, state = gdn_torch.recurrent_gated_delta_rule(q, *_kept_only(k, v, g, beta, tap),
+        _, state = gdn_torch.recurrent_gated_delta_rule(q, *kept_only(k, v, g, beta, tap),
                                                         state_cache[slots])
         state_cache[torch.where(tap > 0, taps.slots, slots)] = state.to(state_cache.dtype)
     if num_kept is not None:
-        g, beta = _kept_only(k, v, g, beta, num_kept)[2:]
+        g, beta = kept_only(k, v, g, beta, num_kept)[2:]
     o, final = gdn_torch.recurrent_gated_delta_rule(q, k, v, g, beta, state_cache[slots])
     if write_state:
         state_cache[slots] = final.to(state_cache.dtype)
     return o.to(v.dtype) if need_output else None
 
 
-def _kept_only(k, v, g, beta, num_kept: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def kept_only(k, v, g, beta, num_kept: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """k, v, and g, β zero past each sequence's first num_kept tokens (the state stands
-    still there)."""
+    still there): a replay over the first num_kept[s] tokens of S uniform blocks."""
     keep = torch.arange(g.shape[1], device=g.device)[None, :] < num_kept[:, None]  # [S, L]
     return (k, v, g.masked_fill(~keep[..., None], 0.0),
             beta.masked_fill(~keep[..., None], 0.0))

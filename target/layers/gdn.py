@@ -271,8 +271,6 @@ class GatedDeltaNet(nn.Module):
 def _replayed(e: GDNBlockJournal, ssm_cache: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """[S, H, Dk, Dv] each sequence's committed state advanced over its first n_s block tokens
     (g = β = 0 past them), in the cache's dtype."""
-    keep = torch.arange(e.g.shape[1], device=e.g.device)[None, :] < n[:, None]  # [S, L]
-    g = e.g.masked_fill(~keep[..., None], 0.0)
-    beta = e.beta.masked_fill(~keep[..., None], 0.0)
-    _, state = gdn.gated_delta_rule_batched(e.k, e.k, e.v, g, beta, ssm_cache[e.slots])
+    _, state = gdn.gated_delta_rule_batched(e.k, *gdn_slots.kept_only(e.k, e.v, e.g, e.beta, n),
+                                            ssm_cache[e.slots])
     return state.to(ssm_cache.dtype)
