@@ -17,7 +17,7 @@ def test_a_conversation_with_and_without_the_cache(tmp_path):
         "--model", str(DEMO / "target"), "--draft-model", str(DEMO / "draft"),
         "--device", "cpu", "--dtype", "float32", "--block-size", "4", "--page-size", "8",
         "--max-model-len", "160", "--max-num-seqs", "2", "--history-len", "40", "--turns", "3",
-        "--turn-len", "10", "--output-len", "8", "--out", str(tmp_path / "p.json")])
+        "--turn-len", "10", "--output-len", "8", "--warmup-turns", "1", "--out", str(tmp_path / "p.json")])
     assert json.loads((tmp_path / "p.json").read_text()) == json.loads(json.dumps(out))
     on, off = out["on"]["turns"], out["off"]["turns"]
     assert [t["prompt_tokens"] for t in on] == [t["prompt_tokens"] for t in off] == [50, 68, 86]
@@ -25,6 +25,7 @@ def test_a_conversation_with_and_without_the_cache(tmp_path):
     # each turn after the first resumes at the previous answer's last full page (pages of 8)
     assert [t["cached_tokens"] for t in on] == [0, 56, 72]
     assert all(len(t["prefill_steps"]) == 1 for t in on)
+    # the warm-up's one turn (other tokens) is a miss; turns 2 and 3 hit
     assert out["on"]["prefix_cache"]["hits"] == 2 and out["off"]["prefix_cache"] is None
     assert [s["turn"] for s in out["summary"]] == [1, 2, 3]
     assert all(s["ttft_on_over_off"] > 0 and s["round_ms_on"] > 0 for s in out["summary"])

@@ -13,7 +13,8 @@
 #   prefix   the same DFlash server with and without the prefix cache, each measured by
 #            bench/serving.py's multi-turn (a 16k history, 8 turns of +512 / 256 tokens) and
 #            shared-prefix (32 requests, a 32k prefix, 256-token questions, concurrency 8)
-#            workloads (needs --max-model-len ≥ 33,300 in SERVE_ARGS)
+#            workloads (needs --max-model-len ≥ 33,300 in SERVE_ARGS; PREFIX_MODES=on or off
+#            runs one of the two servers)
 # Needs: fla, Ray Serve and the openai client importable, or their wheels in .whl/ on a host
 #        without package access (pip download --no-deps; tools/gpu/env.sh installs them);
 #        bench/serving.py needs the client's own: openai, httpx2, httpcore2, truststore,
@@ -92,7 +93,7 @@ prefix_inproc)  # the multi-turn conversation in process, with and without the c
     --max-model-len 32768 --max-num-seqs 8 --gpu-memory-utilization 0.97 \
     --out "$OUT/prefix_inproc.json" 2>&1 | grep -vE "falling back|NCCL INFO" | tail -12 ;;
 prefix)  # the prefix cache's workloads, with the cache (on) and without it (off)
-  for mode in on off; do
+  for mode in ${PREFIX_MODES:-on off}; do
     flags=(--draft-model /tmp/dummy_35b/draft --speculative-dflash-block-size 16)
     [ $mode = off ] && flags+=(--no-enable-prefix-caching)
     start_server prefix_$mode "${flags[@]}" || continue
