@@ -20,7 +20,12 @@ step; the rest of the step's time the GPU waits on the host.
     python -m bench.engine --random-weights --preset qwen3.5-35b-a3b --device cuda --tp 2 ...
 
 runs the same steps through the cluster path instead (Ray workers, NCCL, the draft actor) and
-adds the all-reduce per decoder layer against the bus bandwidth: bench/engine_cluster.py."""
+adds the all-reduce per decoder layer against the bus bandwidth: bench/engine_cluster.py.
+
+    python -m bench.engine --random-weights ... --acceptance 6.3 --output-len 128
+
+generates instead, plain decoding against DFlash at that acceptance (the draft's proposals
+replayed from the target's recorded output, draft/replay.py): bench/acceptance.py."""
 
 from __future__ import annotations
 
@@ -354,6 +359,15 @@ def parser() -> argparse.ArgumentParser:
                    help="with --tp: what carries the step messages (EngineConfig)")
     p.add_argument("--control-spin-us", type=int, default=None,
                    help="with --tp: spin before sleeping on the channel (default: by core count)")
+    a = p.add_argument_group("generation at a chosen acceptance (bench/acceptance.py)")
+    a.add_argument("--acceptance", metavar="SPEC",
+                   help="instead of the step timings: plain decoding against DFlash (the "
+                        "largest --block-sizes) generating at this acceptance, a mean length "
+                        "(6.3) or per-position probabilities (a JSON list or a file), through "
+                        "the whole in-process engine; the first --prompt-len")
+    a.add_argument("--output-len", type=int, default=128, help="with --acceptance")
+    a.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="with --acceptance: the engine's")
     return p
 
 
@@ -370,8 +384,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.acceptance is not None:
+        from bench import acceptance
+
+        acceptance.run(args)
+        return
     for variant in args.variants:  # a typo fails now, not after the first measurements
         kernel_config(args, variant)
     if args.tp is not None:

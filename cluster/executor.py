@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from workers.channel import ChannelReader, ChannelTimeout, ChannelWriter
 from workers.controls import ControlsEnv
@@ -31,6 +31,9 @@ from workers.stepper import (
     draft_proposes,
     draft_writes_context,
 )
+
+if TYPE_CHECKING:
+    from draft.replay import AcceptanceReplay
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +55,10 @@ def execute(executor: Executor, msg: StepMsg) -> StepResult:
 
 class LocalExecutor:
     def __init__(self, runner: TargetRunner, drafter: Drafter | None,
-                 controls: ControlsEnv | None = None):
+                 controls: ControlsEnv | None = None, replay: AcceptanceReplay | None = None):
         self.runner, self.drafter = runner, drafter
         self.target = TargetStepper(runner, controls)
-        self.draft = DraftStepper(drafter, controls) if drafter is not None else None
+        self.draft = DraftStepper(drafter, controls, replay) if drafter is not None else None
         self._done: list[StepResult] = []
 
     def submit(self, msg: StepMsg) -> None:

@@ -212,4 +212,5 @@ def start_in_process(cfg: EngineConfig, plan: EnginePlan) -> tuple[LocalExecutor
     parts = LocalParts(cfg, plan)
     plan = start_parts(parts, cfg, plan)
     drafter = parts.drafter.runner if parts.drafter is not None else None
-    return LocalExecutor(parts.worker.runner, drafter, parts.worker.controls), plan
+    replay = parts.drafter.replay if parts.drafter is not None else None
+    return LocalExecutor(parts.worker.runner, drafter, parts.worker.controls, replay), plan

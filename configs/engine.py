@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import torch
 
@@ -196,6 +197,28 @@ MAX_SNAPSHOTS = 4096
 CPU_SNAPSHOTS_PER_SEQ = 4
 CONTROL_SPIN_US = 50_000
 SPIN_MIN_CPUS = 8
+def check_acceptance_replay(spec: object, draft_model: str | None) -> None:
+    """A mean acceptance length ≥ 1, a JSON list or an existing file, with a draft
+    (draft/replay.py reads the list, and checks the length against the block size)."""
+    if draft_model is None:
+        raise ValueError("acceptance_replay needs --draft-model")
+    if not isinstance(spec, str):
+        raise ValueError(f"acceptance_replay must be a number, a JSON list or a file name, "
+                         f"got {spec!r}")
+    if spec.lstrip().startswith("["):
+        return
+    try:
+        tau = float(spec)
+    except ValueError:
+        if not Path(spec).is_file():
+            raise ValueError(f"acceptance_replay: {spec!r} is neither a mean acceptance length "
+                             f"nor a file") from None
+        return
+    if not tau >= 1:
+        raise ValueError(f"acceptance_replay: a mean acceptance length must be >= 1, got "
+                         f"{spec!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -252,6 +275,13 @@ class EngineConfig:
     # left for caches on a GPU; on CPU, where nothing is measured, CPU_SNAPSHOTS_PER_SEQ ×
     # max_num_seqs snapshots.
     prefix_cache_state_gb: float | None = None
+    # Benchmarks only (draft/replay.py): the draft's proposals replaced by the target's own
+    # continuation recorded from an earlier run of the same prompt, accepted as far as a mean
+    # acceptance length ("6.3") or per-position acceptance probabilities (a JSON list, given so
+    # or in a file) draw.
+    # Outputs are unchanged (the target verifies every draft); the speed becomes that of the
+    # chosen acceptance. None: off.
+    acceptance_replay: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -298,6 +328,8 @@ class EngineConfig:
                 and 0 <= self.prefix_cache_state_gb < float("inf")):
             raise ValueError(f"prefix_cache_state_gb must be a number of GiB >= 0, got "
                              f"{self.prefix_cache_state_gb!r}")
+        if self.acceptance_replay is not None:
+            check_acceptance_replay(self.acceptance_replay, self.draft_model)
         if self.max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"

@@ -147,6 +147,12 @@ class ServeArgs:
         "", "the other kernel choices as field=value[,…] (moe_routing, gdn_recurrence, "
         "gdn_prologue, attention_prologue, pdl, penalties, gdn_rounds; docs/DEPLOYMENT.md): "
         "to compare a variant with the defaults; empty: the defaults")
+    acceptance_replay: str | None = arg(
+        None, "benchmarks only, with a draft: replace the draft's proposals by the target's "
+        "own output recorded from an earlier request with the same prompt, accepted as far as "
+        "a mean acceptance length (e.g. 6.3) or a JSON list of per-position acceptance "
+        "probabilities draws; outputs are unchanged, the speed becomes that acceptance's "
+        "(greedy requests; send each prompt twice)")
     shutdown_grace_s: float = arg(
         DEFAULT_SHUTDOWN_GRACE_S, "on SIGTERM or Ctrl-C: seconds the requests in flight may "
         "run on (new ones get 503); those still running then end with an error event "

@@ -17,6 +17,7 @@ from configs.engine import EngineConfig
 from configs.logs import setup_logging_if_actor
 from draft.model import DFlashDraftModel
 from draft.proposer import DraftRunner
+from draft.replay import replay_for
 from target.loader import load_embedding_and_head
 from workers.aux_transport import AuxReceiver, AuxRingSpec
 from workers.controls import ControlsEnv
@@ -55,6 +56,8 @@ class DraftWorker(StepLoopEnds):
         self._load = load_report("draft", self.device, weight_bytes(self.model, *own),
                                  time.perf_counter() - start)
         self.runner: DraftRunner | None = None
+        # benchmarks: the proposals rewritten to a chosen acceptance (draft/replay.py)
+        self.replay = replay_for(cfg.acceptance_replay, block_size, cfg.seed)
         self.controls: ControlsEnv | None = None  # grammars for its proposals (allocate)
         self.aux_receiver: AuxReceiver | None = None
 

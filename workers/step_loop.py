@@ -118,7 +118,7 @@ def run_draft_loop(draft) -> None:
     """A DraftWorker's loop."""
     results = draft.channel_readers["results"]
     drafts_out, receiver = draft.channel_writer, draft.aux_receiver
-    stepper = DraftStepper(draft.runner, draft.controls)
+    stepper = DraftStepper(draft.runner, draft.controls, draft.replay)
     for msg in _steps(draft.channel_readers["steps"], stepper):
         if draft_proposes(msg):
             tokens, seconds = stepper.propose(msg)

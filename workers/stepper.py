@@ -10,7 +10,7 @@ actors alike."""
 from __future__ import annotations
 
 import time
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -18,6 +18,9 @@ import torch
 from workers.controls import ControlsEnv, ControlsTable
 from workers.messages import ContextWrite, NewSeq, ProposeRequest, StepKind, StepMsg
 from workers.model_runner import SeqInput, StepOutput
+
+if TYPE_CHECKING:
+    from draft.replay import AcceptanceReplay
 
 
 @runtime_checkable
@@ -136,16 +139,21 @@ PROPOSAL_CANDIDATES = 8
 
 
 class DraftStepper:
-    """`controls`: as TargetStepper's; the draft constrains its proposals by grammars."""
+    """`controls`: as TargetStepper's; the draft constrains its proposals by grammars.
+    `replay`: benchmarks' acceptance replay (draft/replay.py), which rewrites the proposals."""
 
-    def __init__(self, drafter: Drafter, controls: ControlsEnv | None = None):
+    def __init__(self, drafter: Drafter, controls: ControlsEnv | None = None,
+                 replay: AcceptanceReplay | None = None):
         self.drafter = drafter
         self.table = SeqTable()
         self.controls = ControlsTable(controls, draft=True)
+        self.replay = replay
 
     def apply(self, msg: StepMsg) -> None:
         self.table.apply(msg)
         self.controls.apply(msg)
+        if self.replay is not None:
+            self.replay.apply(msg)
 
     def propose(self, msg: StepMsg) -> tuple[list[list[int]], float]:
         """The step's proposals [S, B − 1] (host lists) and their wall time."""
@@ -153,14 +161,19 @@ class DraftStepper:
         req = ProposeRequest(list(msg.anchors), list(msg.starts), self.table.tables(msg))
         constrained = [self.controls.get(i) for i in msg.seq_ids]
         if not any(constrained):
-            return self.drafter.propose(req).tolist(), time.perf_counter() - t
-        candidates = self.drafter.propose(req, PROPOSAL_CANDIDATES).tolist()  # [S, B − 1, k]
-        drafts = [[c[0] for c in cands] if ctl is None else ctl.constrain_proposal(cands)
-                  for ctl, cands in zip(constrained, candidates, strict=True)]
+            drafts = self.drafter.propose(req).tolist()
+        else:
+            candidates = self.drafter.propose(req, PROPOSAL_CANDIDATES).tolist()  # [S, B−1, k]
+            drafts = [[c[0] for c in cands] if ctl is None else ctl.constrain_proposal(cands)
+                      for ctl, cands in zip(constrained, candidates, strict=True)]
+        if self.replay is not None:
+            drafts = self.replay.rewrite(msg, drafts)
         return drafts, time.perf_counter() - t
 
     def commit(self, msg: StepMsg, new_tokens: list[list[int]]) -> None:
         """The step's committed tokens (rank 0's result) advance the grammars."""
+        if self.replay is not None:
+            self.replay.commit(msg, new_tokens)
         if self.controls.by_seq and msg.kind in (StepKind.PREFILL, StepKind.ROUND):
             self.controls.commit(msg.seq_ids, new_tokens)
 

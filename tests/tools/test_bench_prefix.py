@@ -17,7 +17,8 @@ def test_a_conversation_with_and_without_the_cache(tmp_path):
         "--model", str(DEMO / "target"), "--draft-model", str(DEMO / "draft"),
         "--device", "cpu", "--dtype", "float32", "--block-size", "4", "--page-size", "8",
         "--max-model-len", "160", "--max-num-seqs", "2", "--history-len", "40", "--turns", "3",
-        "--turn-len", "10", "--output-len", "8", "--warmup-turns", "1", "--out", str(tmp_path / "p.json")])
+        "--turn-len", "10", "--output-len", "8", "--warmup-turns", "1",
+        "--out", str(tmp_path / "p.json")])
     assert json.loads((tmp_path / "p.json").read_text()) == json.loads(json.dumps(out))
     on, off = out["on"]["turns"], out["off"]["turns"]
     assert [t["prompt_tokens"] for t in on] == [t["prompt_tokens"] for t in off] == [50, 68, 86]

@@ -1,0 +1,138 @@
+"""DFlash at a chosen acceptance length against plain decoding, in process, on any weights:
+`python -m bench.engine --acceptance SPEC` runs this instead of the step timings.
+
+    python -m bench.engine --random-weights --preset qwen3.5-35b-a3b --device cuda \
+        --acceptance 6.3 --batch-sizes 1 8 32 --block-sizes 16 --prompt-len 512 \
+        --output-len 128 --out acceptance.json
+
+SPEC is the engine's acceptance replay (draft/replay.py): a mean acceptance length τ such as
+6.3, or per-position acceptance probabilities (a JSON list, or a file holding one). The engine
+is built twice, one after the other: without the draft (plain decoding), then with it and
+the replay. For each batch size the same token-id prompts (greedy, ignore_eos) run twice in
+each engine: the first pass warms up and, with the draft, records the target's outputs; the
+second is measured, its proposals replayed from the recording. Per batch size and engine:
+tokens/s per user (each request's output tokens after its first over the time from its first
+token to its last, median over the requests), total tokens/s (all output tokens over the
+pass), TTFT median, the mean acceptance length the rounds reached, and whether both engines'
+outputs are the same (they must be: the target verifies every draft)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def measured_pass(engine, prompts: list[list[int]], output_len: int) -> dict:
+    """The prompts at once through `engine`, one step at a time; per request its output and
+    the times of its first and last token."""
+    from configs.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    final = {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
+            if o.finished:
+                final[o.request_id] = o
+    wall = time.perf_counter() - start
+    outputs = [final[i].output_ids for i in ids]
+    rates = [(len(out) - 1) / (last[i] - first[i])
+             for i, out in zip(ids, outputs, strict=True) if last[i] > first[i]]
+    lengths = [n for i in ids for n in final[i].acceptance_lengths]
+    return {"outputs": outputs,
+            "tokens_per_s_per_user": statistics.median(rates) if rates else None,
+            "tokens_per_s": sum(map(len, outputs)) / wall,
+            "ttft_ms_p50": 1e3 * statistics.median(first[i] - start for i in ids),
+            "rounds": len(lengths),
+            "acceptance_length": sum(lengths) / len(lengths) if lengths else None,
+            "wall_s": wall}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from cluster.engine import LLMEngine
+    from configs.engine import EngineConfig
+
+    model, draft, load_format = args.model, args.draft_model, "auto"
+    if args.random_weights:
+        from configs.presets import write_preset_dirs
+
+        root = Path(tempfile.mkdtemp(prefix="bench-acceptance-"))
+        model, draft = map(str, write_preset_dirs(args.preset, root))
+        load_format = "dummy"
+    block = max(args.block_sizes)
+    rng = random.Random(0)
+    prompts = {b: [[rng.randrange(10, 300) for _ in range(args.prompt_len)] for _ in range(b)]
+               for b in args.batch_sizes}
+    results = {"command": "python -m bench.engine " + " ".join(args.argv),
+               "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
+               else "cpu", "acceptance": args.acceptance, "block_size": block, "batches": []}
+    by_engine: dict[str, dict[int, dict]] = {}
+    for name in ("plain", "dflash"):
+        spec = name == "dflash"
+        engine = LLMEngine(EngineConfig(
+            model=model, draft_model=draft if spec else None, block_size=block if spec else None,
+            device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
+            max_model_len=args.prompt_len + args.output_len + 2 * block,
+            page_size=args.page_size, load_format=load_format,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=False,  # each pass prefills its prompts whole
+            acceptance_replay=args.acceptance if spec else None))
+        engine.warm_up()
+        by_engine[name] = {}
+        for b in args.batch_sizes:
+            measured_pass(engine, prompts[b], args.output_len)  # warms up; records with a draft
+            by_engine[name][b] = measured_pass(engine, prompts[b], args.output_len)
+            r = by_engine[name][b]
+            print(f"{name} batch {b}: {r['tokens_per_s_per_user']:.1f} tok/s per user, "
+                  f"{r['tokens_per_s']:.1f} tok/s, acceptance length "
+                  f"{r['acceptance_length'] or 1:.2f}", flush=True)
+        del engine
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    for b in args.batch_sizes:
+        plain, spec = by_engine["plain"][b], by_engine["dflash"][b]
+        row = {"batch": b, "same_outputs": plain["outputs"] == spec["outputs"],
+               "speedup_per_user": spec["tokens_per_s_per_user"] / plain["tokens_per_s_per_user"],
+               "speedup_total": spec["tokens_per_s"] / plain["tokens_per_s"],
+               **{f"{k}_{n}": v for n, r in (("plain", plain), ("dflash", spec))
+                  for k, v in r.items() if k != "outputs"}}
+        results["batches"].append(row)
+    print(table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return results
+
+
+def table(results: dict) -> str:
+    lines = [f"acceptance {results['acceptance']}, B = {results['block_size']} "
+             f"({results['device']})",
+             "| batch | plain tok/s/user | DFlash tok/s/user | speedup | plain tok/s | "
+             "DFlash tok/s | speedup | τ reached | outputs equal |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for r in results["batches"]:
+        lines.append(
+            f"| {r['batch']} | {r['tokens_per_s_per_user_plain']:.1f} | "
+            f"{r['tokens_per_s_per_user_dflash']:.1f} | {r['speedup_per_user']:.2f}× | "
+            f"{r['tokens_per_s_plain']:.1f} | {r['tokens_per_s_dflash']:.1f} | "
+            f"{r['speedup_total']:.2f}× | {r['acceptance_length_dflash']:.2f} | "
+            f"{'yes' if r['same_outputs'] else 'NO'} |")
+    return "\n".join(lines)
