@@ -127,6 +127,9 @@ class LevelSummary:
     chunk_gap_ms_p50: float | None  # per engine step that streamed tokens (a round)
     e2e_ms_p50: float | None
     e2e_ms_p90: float | None
+    # each request's decode rate, its tokens after the first chunk's over the time from that
+    # chunk to its last: the median over the requests (tokens/s per user)
+    decode_tok_s_per_user_p50: float | None
     spec: SpecStats
 
 
@@ -146,6 +149,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="for the synthetic prompts")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out-dir", type=Path, default=Path("."))
+    p.add_argument("--record-first", action="store_true",
+                   help="send the prompts once, unmeasured, before the levels: a server "
+                        "started with --acceptance-replay records the target's outputs there "
+                        "and replays them in the levels (a DFlash speed at a chosen acceptance "
+                        "on any weights)")
     w = p.add_argument_group("prefix-cache workloads (token-id prompts on /v1/completions; "
                              "run each against the server with and without prefix caching)")
     w.add_argument("--workload", choices=["levels", "multi-turn", "shared-prefix"],
@@ -308,12 +316,15 @@ def summarize(c: int, results: list[RequestResult], duration: float,
     gaps = [x for r in ok for x in r.chunk_gaps_s]
     e2e = [r.e2e_s for r in ok]
     prompt_toks, out_toks = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
+    rates = [len(r.itl_s) / (r.last_token_s - r.ttft_s) for r in ok
+             if r.ttft_s is not None and r.last_token_s > r.ttft_s]
     return LevelSummary(
         c, len(results), len(results) - len(ok), duration, len(ok) / duration,
         out_toks / duration, (prompt_toks + out_toks) / duration,
         prompt_toks / len(ok) if ok else 0.0, out_toks,
         pct(ttft, 50), pct(ttft, 90), pct(ttft, 99), pct(itl, 50), pct(itl, 90), pct(itl, 99),
-        pct(gaps, 50), pct(e2e, 50), pct(e2e, 90), spec)
+        pct(gaps, 50), pct(e2e, 50), pct(e2e, 90),
+        float(np.median(rates)) if rates else None, spec)
 
 
 def token_ids(rng: random.Random, n: int, args: argparse.Namespace) -> list[int]:
@@ -398,6 +409,15 @@ async def bench(args: argparse.Namespace) -> dict:
             prompts = synthetic(args.num_prompts, words, args.output_len, args.seed)
         if warm.error:
             raise SystemExit(f"the warm-up request failed: {warm.error}")
+        recording = None
+        if args.record_first:  # unmeasured: a replaying server records the outputs here
+            results, recording = await run_level(client, args, model, prompts,
+                                                 max(args.concurrency))
+            failed = [r.error for r in results if r.error]
+            if failed:
+                raise SystemExit(f"the recording pass failed: {failed[0]}")
+            print(f"recording pass: {len(results)} requests in {recording:.1f} s",
+                  file=sys.stderr)
         levels = []
         for c in args.concurrency:
             before = await scrape(http, args.base_url)
@@ -416,7 +436,8 @@ async def bench(args: argparse.Namespace) -> dict:
     first = {"first_ttft_ms": 1e3 * warm.ttft_s, "same_request_warm_ttft_ms":
              1e3 * again.ttft_s if again.ttft_s is not None else None,
              "prompt_tokens": warm.prompt_tokens}
-    return {"model": model, "levels": levels, "first_request": first}
+    return {"model": model, "levels": levels, "first_request": first,
+            "recording_pass_s": recording}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -434,7 +455,8 @@ def main(argv: list[str] | None = None) -> dict:
     summaries = [level["summary"] for level in result["levels"]]
     report = {"command": command, "started": started, "model": result["model"],
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "first_request": result["first_request"], "levels": result["levels"]}
+              "first_request": result["first_request"],
+              "recording_pass_s": result["recording_pass_s"], "levels": result["levels"]}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "serving.json").write_text(json.dumps(report))  # every ITL: kept flat
     write_csv(args.out_dir / "serving.csv", summaries)

@@ -12,6 +12,7 @@ COLUMNS = [  # (header, LevelSummary field or "spec.<field>", format)
     ("ITL p50/p90/p99 ms", ("itl_ms_p50", "itl_ms_p90", "itl_ms_p99"), "{:.1f}"),
     ("step gap p50 ms", "chunk_gap_ms_p50", "{:.2f}"),
     ("e2e p50/p90 ms", ("e2e_ms_p50", "e2e_ms_p90"), "{:.0f}"),
+    ("decode tok/s/user", "decode_tok_s_per_user_p50", "{:.1f}"),
     ("accept len", "spec.acceptance_length", "{:.2f}"),
     ("draft/verify ms", ("spec.draft_ms_per_round", "spec.verify_ms_per_round"), "{:.1f}"),
     ("errors", "errors", "{}"),

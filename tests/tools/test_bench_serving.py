@@ -137,3 +137,28 @@ def test_the_prefix_cache_workloads_report_cached_tokens(base_url, tmp_path):
     assert [r["cached_tokens"] for r in shared["per_request"]] == [0, 48, 48, 48, 48]
     saved = json.loads((tmp_path / "shared-prefix.json").read_text())
     assert saved["command"].startswith("python -m bench.serving") and saved["model"] == MODEL
+
+
+def test_a_replaying_server_serves_the_chosen_acceptance(tiny_demo, tmp_path):
+    """--record-first against a server started with --acceptance-replay: the recording pass
+    gives the target's outputs, the level replays them with every draft accepted (B = 8):
+    each request's 8 tokens after the first come in one round."""
+    target, draft = (str(p) for p in tiny_demo)
+    engine = LLMEngine(EngineConfig(model=target, draft_model=draft, block_size=8,
+                                    max_num_seqs=4, page_size=8, acceptance_replay="8"))
+    client = LocalEngineClient(engine, MODEL)
+    url, stop = serve_in_thread(build_app(client, load_tokenizer(target)))
+    try:
+        report = serving.main(["--base-url", url, "--concurrency", "2", "--num-prompts", "4",
+                               "--prompt-len", "20", "--output-len", "9", "--record-first",
+                               "--out-dir", str(tmp_path)])
+    finally:
+        stop()
+        client.close()
+    (level,) = report["levels"]
+    s, spec = level["summary"], level["summary"]["spec"]
+    assert report["recording_pass_s"] > 0 and (s["requests"], s["errors"]) == (4, 0)
+    assert (spec["spec_rounds"], spec["committed_tokens"], spec["acceptance_length"]) \
+        == (4, 32, 8)
+    assert all(r["chunks"] == 2 for r in level["requests"])  # the prefill's token, then 8
+    assert s["decode_tok_s_per_user_p50"] > 0
