@@ -103,11 +103,13 @@ def test_ray_engine_equals_in_process_target_only(ray_cluster, reference, tp, dr
 def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference, caplog):
     """The cluster's engine has run its warm-up (a prompt in two chunks, then rounds) when the
     constructor returns, saying each stage once, in order, from this (the driver's) process;
-    it equals target-only (TP 2, the draft colocated on GPU bundles); a restart starts new
+    it equals target-only (TP 2, the draft colocated on GPU bundles); with acceptance replay
+    (every draft accepted) the draft actor replays the recorded outputs; a restart starts new
     actors, warms them up again and stays exact."""
     prompts, params, want = reference
     caplog.set_level(logging.INFO, logger="cluster")
-    cluster = RayEngineCluster(config(draft=True), 2, use_gpu=True)
+    cluster = RayEngineCluster(replace(config(draft=True), acceptance_replay="8"), 2,
+                               use_gpu=True)
     try:
         stages = ["Ray at ", "placement group ready: ", "dtype float32 on cpu",
                   "starting 2 target workers and the draft actor", "target rank 0 is up at ",
@@ -125,6 +127,10 @@ def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference, ca
         assert warm["requests"] >= 1 and warm["steps"] >= 3
         assert cluster.engine.stats.rounds == 0  # the warm-up's rounds are not counted
         assert_equals_target_only(cluster, reference, 2, True, use_gpu=True)
+        replayed = cluster.engine.generate(prompts, params)  # recorded by the passes above
+        assert [o.output_ids for o in replayed] == want
+        for o in replayed:  # B = 8 tokens a round, but where max_tokens cuts the last one
+            assert o.acceptance_lengths[:-1] == [8] * (len(o.acceptance_lengths) - 1)
         old_workers = cluster.actors()["workers"]
         engine = cluster.restart()
         assert cluster.restarts == 1 and engine.warmup["steps"] >= 3
