@@ -141,8 +141,10 @@ class InstantDrafter:
     def __init__(self, block: int):
         self.block = block
 
-    def propose(self, req: ProposeRequest) -> torch.Tensor:
-        return torch.full((len(req.anchors), self.block - 1), 2, dtype=torch.long)
+    def propose(self, req: ProposeRequest, top_k: int = 0,
+                block_size: int | None = None) -> torch.Tensor:
+        block = self.block if block_size is None else block_size
+        return torch.full((len(req.anchors), block - 1), 2, dtype=torch.long)
 
     def write_context(self, write: ContextWrite) -> None:
         pass

@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -125,6 +126,11 @@ class LLMEngine:
         self._deferred_aborts: list[str] = []
         self._snapshots: list[tuple[Sequence, int, int]] = []  # the step in flight takes
         self.warmup: dict[str, float] = {}  # what warm_up ran: requests, steps, seconds
+        # The drafts per sequence of the next round, given its sequences: K in [0, B − 1] (0:
+        # a plain decode step; the draft still writes the token into its context), or None
+        # for B − 1. None here: every round drafts B − 1.
+        self.draft_length: Callable[[list[Sequence]], int | None] | None = None
+        self._num_drafts = self.block_size - 1  # the round in flight's
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -223,8 +229,15 @@ class LLMEngine:
             if any(s.boundary_slot is not None for s in seqs):
                 taps = [(-1, 0) if s.boundary_slot is None
                         else (s.boundary_slot, self.scheduler.tap_end(s)) for s in seqs]
+            num_drafts = None
+            if self.has_draft and self.draft_length is not None:
+                num_drafts = self.draft_length(seqs)
+                if num_drafts is not None and not 0 <= num_drafts < self.block_size:
+                    raise ValueError(f"a round's drafts must be in [0, {self.block_size - 1}], "
+                                     f"got {num_drafts}")
+            self._num_drafts = self.block_size - 1 if num_drafts is None else num_drafts
             msg = StepMsg(kind=StepKind.ROUND, anchors=[s.anchor for s in seqs], taps=taps,
-                          **common)
+                          num_drafts=num_drafts, **common)
         self.executor.submit(msg)
         self._in_flight = plan
         return True
@@ -270,7 +283,7 @@ class LLMEngine:
                 if i in result.errors:
                     self._fail(s, result.errors[i])
                     continue
-                self.stats.record(n, self.block_size - 1)
+                self.stats.record(n, self._num_drafts)
                 self._enter_pages(s, toks[:n])  # (before a stop frees its pages)
                 s.acceptance_lengths.append(self._append(s, toks, result.logprobs.get(i)))
         outputs = self._collect(plan.prefill + plan.decode)

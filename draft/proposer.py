@@ -110,30 +110,36 @@ class DraftRunner:
         return True
 
     @torch.inference_mode()
-    def propose(self, req: ProposeRequest, top_k: int = 0) -> torch.Tensor:
+    def propose(self, req: ProposeRequest, top_k: int = 0,
+                block_size: int | None = None) -> torch.Tensor:
         """Returns [S, B−1] proposed tokens (argmax at every temperature); with top_k,
-        [S, B−1, top_k]: each position's best top_k, best first."""
+        [S, B−1, top_k]: each position's best top_k, best first. `block_size`: B for this
+        proposal (at most the runner's; default the runner's)."""
+        block = self.block_size if block_size is None else block_size
+        if not 2 <= block <= self.block_size:
+            raise ValueError(f"a proposal's block size must be in [2, {self.block_size}], "
+                             f"got {block}")
         anchors, context_lens, block_tables = req.anchors, req.context_lens, req.block_tables
         # Only the pages holding context and the block: their count bounds the attention's
         # gather width (and holds the block's slots where the triton path writes its K/V).
-        width = -(-(max(context_lens) + self.block_size) // self.page_size)
+        width = -(-(max(context_lens) + block) // self.page_size)
         padded = bucket_for(len(anchors), self.graph_max_seqs) if self.graph_max_seqs else None
         pages = page_bucket(max(width, len(self.scratch_pages)), self.graph_max_pages)
         out = None
-        if padded is not None and pages is not None and self.block_size <= MAX_GRAPH_WIDTH \
-                and (padded, self.block_size, pages, top_k) not in self.failed:
+        if padded is not None and pages is not None and block <= MAX_GRAPH_WIDTH \
+                and (padded, block, pages, top_k) not in self.failed:
             out = self._replay(padded, pages, width, anchors, context_lens, block_tables,
-                               top_k)
+                               top_k, block)
         if out is None:
             tables = torch.from_numpy(host_tables(block_tables, width))
             return self.model.propose(torch.tensor(anchors, device=self.device),
                                       torch.tensor(context_lens, device=self.device),
                                       tables.to(self.device), self.kv_cache, self.embed,
-                                      self.lm_head, self.block_size, top_k)
+                                      self.lm_head, block, top_k)
         return out[: len(anchors)].clone()
 
     def _replay(self, padded: int, pages: int, width: int, anchors: list[int],
-                context_lens: list[int], block_tables: list, top_k: int
+                context_lens: list[int], block_tables: list, top_k: int, block: int
                 ) -> torch.Tensor | None:
         # Padding sequences: anchor 0, no context, the block in the scratch pages. The wider
         # table only adds masked keys to the attention's gather.
@@ -144,11 +150,10 @@ class DraftRunner:
         full[:n, :width] = host_tables(block_tables, width)
         full[n:, : len(self.scratch_pages)] = self.scratch_pages.numpy()
         anchors, lens, full = map(torch.from_numpy, (anchors_np, lens_np, full))
-        key = (padded, self.block_size, pages, top_k)
+        key = (padded, block, pages, top_k)
         if key not in self.graphs:
             static = {"anchors": anchors.to(self.device), "context_lens": lens.to(self.device),
                       "block_tables": full.to(self.device)}
-            block = self.block_size
 
             def propose(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
                 return self.model.propose(inputs["anchors"], inputs["context_lens"],

@@ -62,6 +62,10 @@ class StepMsg:
     # sits the step out, proposing nothing and writing no context (its context then misses
     # these tokens). None: the draft proposes (no draft model: plain decoding, K = 0).
     drafts: list[list[int]] | None = None
+    # ROUND: the drafts each sequence gets this round, K ≤ B − 1 (the draft proposes a block of
+    # K + 1); 0: none (the draft sits out the proposal, a plain decode step, and still writes
+    # the committed token into its context); None: B − 1
+    num_drafts: int | None = None
     new_seqs: list[NewSeq] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # seq ids finished since the last step
     call: tuple[str, tuple] | None = None  # CALL: (method, args)

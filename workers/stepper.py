@@ -36,9 +36,11 @@ class TargetRunner(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
-    def propose(self, req: ProposeRequest, top_k: int = 0) -> torch.Tensor:
+    def propose(self, req: ProposeRequest, top_k: int = 0,
+                block_size: int | None = None) -> torch.Tensor:
         """[S, B − 1] proposed tokens (argmax at every temperature), on any device; with
-        top_k, [S, B − 1, top_k]: each position's top_k tokens, best first."""
+        top_k, [S, B − 1, top_k]: each position's top_k tokens, best first. `block_size`: a
+        block of that B instead of the drafter's own (at most its own)."""
         ...
 
     def write_context(self, write: ContextWrite) -> None: ...
@@ -116,7 +118,8 @@ class TargetStepper:
 
 def draft_proposes(msg: StepMsg) -> bool:
     """The step needs the draft's proposal (not a round whose drafts the driver gave)."""
-    return msg.kind is StepKind.PROPOSE or (msg.kind is StepKind.ROUND and msg.drafts is None)
+    return msg.kind is StepKind.PROPOSE or (msg.kind is StepKind.ROUND and msg.drafts is None
+                                             and msg.num_drafts != 0)
 
 
 def draft_writes_context(msg: StepMsg) -> bool:
@@ -159,11 +162,12 @@ class DraftStepper:
         """The step's proposals [S, B − 1] (host lists) and their wall time."""
         t = time.perf_counter()
         req = ProposeRequest(list(msg.anchors), list(msg.starts), self.table.tables(msg))
+        block = None if msg.num_drafts is None else msg.num_drafts + 1
         constrained = [self.controls.get(i) for i in msg.seq_ids]
         if not any(constrained):
-            drafts = self.drafter.propose(req).tolist()
-        else:
-            candidates = self.drafter.propose(req, PROPOSAL_CANDIDATES).tolist()  # [S, B−1, k]
+            drafts = self.drafter.propose(req, block_size=block).tolist()
+        else:  # [S, B − 1, k]
+            candidates = self.drafter.propose(req, PROPOSAL_CANDIDATES, block).tolist()
             drafts = [[c[0] for c in cands] if ctl is None else ctl.constrain_proposal(cands)
                       for ctl, cands in zip(constrained, candidates, strict=True)]
         if self.replay is not None:

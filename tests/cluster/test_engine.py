@@ -66,6 +66,37 @@ def test_speculative_greedy_equals_target_only_trained_draft(demo_reference, blo
     assert max(spec.stats.lengths) >= min(block_size, 4)
 
 
+class CycledDraftLength:
+    """A round's drafts per sequence from a fixed cycle, switching every round; it counts the
+    drafts it handed out."""
+
+    def __init__(self, cycle: list[int | None], block_size: int):
+        self.cycle, self.block_size, self.calls, self.drafts = cycle, block_size, 0, 0
+
+    def __call__(self, seqs) -> int | None:
+        k = self.cycle[self.calls % len(self.cycle)]
+        self.calls += 1
+        self.drafts += len(seqs) * (self.block_size - 1 if k is None else k)
+        return k
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_draft_length_switched_every_round_keeps_the_invariant(demo_reference,
+                                                                 prefix_caching):
+    """Rounds of 7, 3, 0 (a plain decode step: the draft proposes nothing but still writes
+    the token into its context), 1, B − 1 and 5 drafts in turn: target-only's outputs; each
+    round commits at most its drafts + 1."""
+    prompts, params, want = demo_reference
+    spec = engine(DEMO / "target", DEMO / "draft", 8, enable_prefix_caching=prefix_caching)
+    spec.draft_length = lengths = CycledDraftLength([7, 3, 0, 1, None, 5, 0, 0, 2], 8)
+    outs = spec.generate(prompts, params)
+    assert [o.output_ids for o in outs] == want
+    assert spec.stats.draft_tokens == lengths.drafts and lengths.calls > 0
+    assert max(spec.stats.lengths) >= 4  # the longer blocks still accept several drafts
+    again = spec.generate(prompts, params)  # the context the draft kept is still right
+    assert [o.output_ids for o in again] == want
+
+
 @pytest.mark.parametrize(("draft", "block_size"), [("draft-full", 8), ("draft-swa", 4),
                                                    ("draft-swa", 16)])
 def test_speculative_greedy_equals_target_only_random_drafts(tiny_models, draft, block_size):

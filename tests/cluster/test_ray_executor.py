@@ -4,6 +4,7 @@ tokens."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -131,6 +132,12 @@ def test_start_up_warms_up_and_restart_keeps_the_plan(ray_cluster, reference, ca
         assert [o.output_ids for o in replayed] == want
         for o in replayed:  # B = 8 tokens a round, but where max_tokens cuts the last one
             assert o.acceptance_lengths[:-1] == [8] * (len(o.acceptance_lengths) - 1)
+        # a round's draft length switched every round, none at all in some (the draft actor
+        # proposes nothing then, the target decodes, the context write goes on)
+        cycle = itertools.cycle([0, 3, None, 1, 0])
+        cluster.engine.draft_length = lambda seqs: next(cycle)
+        assert [o.output_ids for o in cluster.engine.generate(prompts, params)] == want
+        cluster.engine.draft_length = None
         old_workers = cluster.actors()["workers"]
         engine = cluster.restart()
         assert cluster.restarts == 1 and engine.warmup["steps"] >= 3
