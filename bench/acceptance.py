@@ -13,8 +13,10 @@ each engine: the first pass warms up and, with the draft, records the target's o
 second is measured, its proposals replayed from the recording. Per batch size and engine:
 tokens/s per user (each request's output tokens after its first over the time from its first
 token to its last, median over the requests), total tokens/s (all output tokens over the
-pass), TTFT median, the mean acceptance length the rounds reached, and whether both engines'
-outputs are the same (they must be: the target verifies every draft)."""
+pass), TTFT median, the mean acceptance length the rounds reached, and whether the engines'
+outputs are the same (they must be: the target verifies every draft). With --adaptive a third
+engine picks each round's draft length (EngineConfig.speculative_adaptive, its round costs
+measured at warm-up) under the same replay."""
 
 from __future__ import annotations
 
@@ -85,8 +87,9 @@ def run(args: argparse.Namespace) -> dict:
                "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
                else "cpu", "acceptance": args.acceptance, "block_size": block, "batches": []}
     by_engine: dict[str, dict[int, dict]] = {}
-    for name in ("plain", "dflash"):
-        spec = name == "dflash"
+    names = ("plain", "dflash", "adaptive") if args.adaptive else ("plain", "dflash")
+    for name in names:
+        spec = name != "plain"
         engine = LLMEngine(EngineConfig(
             model=model, draft_model=draft if spec else None, block_size=block if spec else None,
             device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
@@ -94,7 +97,8 @@ def run(args: argparse.Namespace) -> dict:
             page_size=args.page_size, load_format=load_format,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=False,  # each pass prefills its prompts whole
-            acceptance_replay=args.acceptance if spec else None))
+            acceptance_replay=args.acceptance if spec else None,
+            speculative_adaptive=name == "adaptive"))
         engine.warm_up()
         by_engine[name] = {}
         for b in args.batch_sizes:
@@ -110,11 +114,16 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
     for b in args.batch_sizes:
         plain, spec = by_engine["plain"][b], by_engine["dflash"][b]
-        row = {"batch": b, "same_outputs": plain["outputs"] == spec["outputs"],
+        runs = [(n, by_engine[n][b]) for n in names]
+        row = {"batch": b, "same_outputs": all(r["outputs"] == plain["outputs"] for _, r in runs),
                "speedup_per_user": spec["tokens_per_s_per_user"] / plain["tokens_per_s_per_user"],
                "speedup_total": spec["tokens_per_s"] / plain["tokens_per_s"],
-               **{f"{k}_{n}": v for n, r in (("plain", plain), ("dflash", spec))
-                  for k, v in r.items() if k != "outputs"}}
+               **{f"{k}_{n}": v for n, r in runs for k, v in r.items() if k != "outputs"}}
+        if args.adaptive:
+            adaptive = by_engine["adaptive"][b]
+            row["adaptive_speedup_per_user"] = (adaptive["tokens_per_s_per_user"]
+                                                / plain["tokens_per_s_per_user"])
+            row["adaptive_speedup_total"] = adaptive["tokens_per_s"] / plain["tokens_per_s"]
         results["batches"].append(row)
     print(table(results))
     if args.out:
@@ -135,4 +144,10 @@ def table(results: dict) -> str:
             f"{r['tokens_per_s_plain']:.1f} | {r['tokens_per_s_dflash']:.1f} | "
             f"{r['speedup_total']:.2f}× | {r['acceptance_length_dflash']:.2f} | "
             f"{'yes' if r['same_outputs'] else 'NO'} |")
+    if any("adaptive_speedup_total" in r for r in results["batches"]):
+        lines += ["", "| batch | adaptive tok/s/user | speedup | adaptive tok/s | speedup |",
+                  "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['batch']} | {r['tokens_per_s_per_user_adaptive']:.1f} | "
+                  f"{r['adaptive_speedup_per_user']:.2f}× | {r['tokens_per_s_adaptive']:.1f} | "
+                  f"{r['adaptive_speedup_total']:.2f}× |" for r in results["batches"]]
     return "\n".join(lines)

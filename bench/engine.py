@@ -368,6 +368,8 @@ def parser() -> argparse.ArgumentParser:
                         "(6.3) or per-position probabilities (a JSON list or a file), through "
                         "the whole in-process engine; the first --prompt-len")
     a.add_argument("--output-len", type=int, default=128, help="with --acceptance")
+    a.add_argument("--adaptive", action="store_true",
+                   help="with --acceptance: also the adaptive draft length")
     a.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="with --acceptance: the engine's")
     return p

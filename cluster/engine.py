@@ -20,6 +20,7 @@ from cluster.executor import Executor
 from cluster.prefix_cache import PrefixCache, PrefixCacheSnapshot, PrefixCacheStats, page_keys
 from cluster.scheduler import ScheduledStep, Scheduler
 from cluster.sequence import Sequence
+from cluster.speculation import AdaptiveDraftLength, measure_round_costs
 from cluster.startup import EnginePlan, start_in_process
 from cluster.stats import TimeAccumulator
 from configs.engine import EngineConfig, SamplingParams
@@ -58,12 +59,15 @@ class AcceptanceStats:
     accepted_at: list[int] = field(default_factory=list)  # [K] rounds whose draft i was accepted
     lengths: dict[int, int] = field(default_factory=dict)  # committed per round → count
     draft_tokens: int = 0  # tokens proposed by the draft (B − 1 per round)
+    # rounds by their drafts per sequence (B − 1, or what the adaptive rule picked)
+    draft_lengths: dict[int, int] = field(default_factory=dict)
 
     def record(self, num_accepted: int, num_drafts: int) -> None:
         if len(self.accepted_at) < num_drafts:
             self.accepted_at += [0] * (num_drafts - len(self.accepted_at))
         self.rounds += 1
         self.draft_tokens += num_drafts
+        self.draft_lengths[num_drafts] = self.draft_lengths.get(num_drafts, 0) + 1
         self.tokens += num_accepted + 1
         self.lengths[num_accepted + 1] = self.lengths.get(num_accepted + 1, 0) + 1
         for i in range(num_accepted):
@@ -85,6 +89,11 @@ def read_eos_ids(model_dir: str, from_config: tuple[int, ...]) -> set[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return ids
+
+
+# Tokens each request of the adaptive rule's cost measurement generates: ~10 rounds of random
+# drafts, fewer where the draft guesses right.
+COST_ROUND_TOKENS = 12
 
 
 class LLMEngine:
@@ -277,6 +286,7 @@ class LLMEngine:
             if result.propose_s is not None:
                 self.draft_time.observe(result.propose_s)
             self.verify_time.observe(result.verify_s)
+            observe = getattr(self.draft_length, "observe", None)
             for i, (s, toks, n) in enumerate(zip(plan.decode, result.new_tokens,
                                                  result.num_accepted, strict=True)):
                 s.num_cached += n + 1
@@ -284,6 +294,8 @@ class LLMEngine:
                     self._fail(s, result.errors[i])
                     continue
                 self.stats.record(n, self._num_drafts)
+                if observe is not None:
+                    observe(s.seq_id, n, self._num_drafts)
                 self._enter_pages(s, toks[:n])  # (before a stop frees its pages)
                 s.acceptance_lengths.append(self._append(s, toks, result.logprobs.get(i)))
         outputs = self._collect(plan.prefill + plan.decode)
@@ -389,6 +401,9 @@ class LLMEngine:
         return kept
 
     def _release(self, seq: Sequence) -> None:
+        forget = getattr(self.draft_length, "forget", None)
+        if forget is not None:
+            forget(seq.seq_id)
         if seq.seq_id in self._sent:
             self._sent.discard(seq.seq_id)
             self._released.append(seq.seq_id)
@@ -460,11 +475,55 @@ class LLMEngine:
             for n in graph_batch_buckets(self.cfg.max_num_seqs):
                 requests += self._warm([[(1 + i) % vocab] * page_size for i in range(n)],
                                        params)
+        if self.has_draft and self.cfg.speculative_adaptive:
+            self._start_adaptive(on_gpu and not self.cfg.enforce_eager)
         self.stats, self.draft_time, self.verify_time = stats
         if self.prefix is not None:  # its entries stay (harmless), its counts start now
             self.prefix.stats = PrefixCacheStats()
         self.warmup = {"requests": requests, "steps": self.num_steps - first_step,
                        "seconds": time.perf_counter() - t}
+
+    def _start_adaptive(self, graphs: bool) -> None:
+        """Measures a round's cost at each draft length the rule may pick, at every batch
+        bucket of the CUDA graphs (capturing their shapes) or, eagerly, at 1 and
+        max_num_seqs sequences; then lets the rule pick (cluster/speculation.py)."""
+        sizes = graph_batch_buckets(self.cfg.max_num_seqs) if graphs \
+            else sorted({1, self.cfg.max_num_seqs})
+        params = SamplingParams(max_tokens=COST_ROUND_TOKENS, ignore_eos=True)
+        reach = self.scheduler.reach(Sequence(-1, "", [0] * self.cfg.page_size, params))
+        sizes = [n for n in sizes if n * self.blocks.pages_needed(reach) <= self.blocks.num_pages]
+        if not sizes:
+            log.warning("adaptive speculation off: the KV pool cannot hold a round to time")
+            return
+        t = time.perf_counter()
+        costs = measure_round_costs(self._round_times, sizes, self.block_size)
+        self.draft_length = AdaptiveDraftLength(costs, self.block_size)
+        log.info("adaptive speculation: round ms by drafts at batch %s: %s (measured in %.1f s)",
+                 "/".join(map(str, sizes)), "; ".join(
+                     f"{k}: " + "/".join(f"{1e3 * x:.2f}" for x in costs.seconds[k])
+                     for k in sorted(costs.seconds)), time.perf_counter() - t)
+
+    def _round_times(self, batch: int, drafts: int) -> list[float]:
+        """Wall seconds of the rounds of `batch` page-long prompts drafting `drafts` tokens
+        each round, but the first two (a new shape's CUDA graph is captured there)."""
+        vocab, page = self.target_config.vocab_size, self.cfg.page_size
+        params = SamplingParams(max_tokens=COST_ROUND_TOKENS, ignore_eos=True)
+        chosen, self.draft_length = self.draft_length, lambda seqs: drafts
+        times = []
+        try:
+            for i in range(batch):
+                self.add_request([(7 + i) % vocab] * page, params)
+            while self.has_unfinished():
+                t = time.perf_counter()
+                if not self.begin_step():
+                    break
+                rounds = bool(self._in_flight.decode)
+                self.finish_step()
+                if rounds:
+                    times.append(time.perf_counter() - t)
+        finally:
+            self.draft_length = chosen
+        return times[2:] or times
 
     def _warm(self, prompts: list[list[int]], params: SamplingParams) -> int:
         reach = self.scheduler.reach(Sequence(-1, "", prompts[0], params))

@@ -101,7 +101,7 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
 
 def _copy_stats(s: AcceptanceStats) -> AcceptanceStats:
     return AcceptanceStats(s.rounds, s.tokens, list(s.accepted_at), dict(s.lengths),
-                           s.draft_tokens)
+                           s.draft_tokens, dict(s.draft_lengths))
 
 
 class LocalEngineClient:

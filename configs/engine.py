@@ -282,6 +282,10 @@ class EngineConfig:
     # Outputs are unchanged (the target verifies every draft); the speed becomes that of the
     # chosen acceptance. None: off.
     acceptance_replay: str | None = None
+    # With a draft: each round's draft length (B − 1, 7, 3 or none) picked for the batch from
+    # the sequences' recent acceptance and the round costs measured at warm-up
+    # (cluster/speculation.py); False: B − 1 every round.
+    speculative_adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -328,6 +332,9 @@ class EngineConfig:
                 and 0 <= self.prefix_cache_state_gb < float("inf")):
             raise ValueError(f"prefix_cache_state_gb must be a number of GiB >= 0, got "
                              f"{self.prefix_cache_state_gb!r}")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise ValueError(f"speculative_adaptive must be true or false, got "
+                             f"{self.speculative_adaptive!r}")
         if self.acceptance_replay is not None:
             check_acceptance_replay(self.acceptance_replay, self.draft_model)
         if self.max_num_batched_tokens <= 0:

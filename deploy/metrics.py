@@ -243,6 +243,13 @@ class _EngineCollector:
         for i, n in enumerate(acc.accepted_at):
             per_pos.add_metric([m, str(i)], n)
         yield per_pos
+        chosen = CounterMetricFamily(
+            "dflash_spec_decode_rounds_by_draft_length", "Verify rounds (one per sequence per "
+            "round) by their drafts: B - 1 with a fixed block, or the adaptive rule's pick (0: "
+            "a plain decode step)", labels=["model_name", "drafts"])
+        for k, n in sorted(acc.draft_lengths.items()):
+            chosen.add_metric([m, str(k)], n)
+        yield chosen
         cum, buckets = 0, []
         for le in ACCEPTANCE_BUCKETS:
             cum += acc.lengths.get(le, 0)

@@ -443,6 +443,9 @@ def test_metrics_report_latency_and_acceptance(server, oai):
     assert m[("dflash_acceptance_length_bucket", (("le", "+Inf"),))] == rounds
     assert m[("dflash_acceptance_length_sum", ())] == accepted + rounds  # + the bonus token
     assert m[("dflash_spec_decode_num_draft_tokens_total", ())] == 7 * rounds  # B = 8
+    by_length = {dict(k[1])["drafts"]: v for k, v in m.items()
+                 if k[0] == "dflash_spec_decode_rounds_by_draft_length_total"}
+    assert by_length == {"7": rounds}  # a fixed block: B − 1 every round
     per_pos = {int(dict(k[1])["position"]): v for k, v in m.items()
                if k[0] == "dflash_spec_decode_num_accepted_tokens_per_pos_total"}
     assert sorted(per_pos) == list(range(7)) and sum(per_pos.values()) == accepted
