@@ -150,7 +150,7 @@ class ServeArgs:
     speculative_adaptive: bool = arg(
         False, "with a draft: pick each round's draft length (B - 1, 7, 3 or none) for the "
         "batch from the sequences' recent acceptance and round costs measured at start-up "
-        "(--no-speculative-adaptive: B - 1 every round)")
+        "(off: B - 1 every round)")
     acceptance_replay: str | None = arg(
         None, "benchmarks only, with a draft: replace the draft's proposals by the target's "
         "own output recorded from an earlier request with the same prompt, accepted as far as "
