@@ -71,6 +71,7 @@ def measured_pass(engine, prompts: list[list[int]], output_len: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     from cluster.engine import LLMEngine
     from configs.engine import EngineConfig
+    from draft.replay import AcceptanceCurve
 
     model, draft, load_format = args.model, args.draft_model, "auto"
     if args.random_weights:
@@ -85,8 +86,8 @@ def run(args: argparse.Namespace) -> dict:
                for b in args.batch_sizes}
     results = {"command": "python -m bench.engine " + " ".join(args.argv),
                "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
-               else "cpu", "acceptance": args.acceptance, "block_size": block, "batches": []}
-    by_engine: dict[str, dict[int, dict]] = {}
+               else "cpu", "acceptance": args.acceptance, "block_size": block, "rows": []}
+    measured: dict[tuple[str, str, int], dict] = {}  # (engine, acceptance, batch) → its pass
     names = ("plain", "dflash", "adaptive") if args.adaptive else ("plain", "dflash")
     for name in names:
         spec = name != "plain"
@@ -97,34 +98,39 @@ def run(args: argparse.Namespace) -> dict:
             page_size=args.page_size, load_format=load_format,
             gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=False,  # each pass prefills its prompts whole
-            acceptance_replay=args.acceptance if spec else None,
+            acceptance_replay=args.acceptance[0] if spec else None,
             speculative_adaptive=name == "adaptive"))
         engine.warm_up()
-        by_engine[name] = {}
-        for b in args.batch_sizes:
-            measured_pass(engine, prompts[b], args.output_len)  # warms up; records with a draft
-            by_engine[name][b] = measured_pass(engine, prompts[b], args.output_len)
-            r = by_engine[name][b]
-            print(f"{name} batch {b}: {r['tokens_per_s_per_user']:.1f} tok/s per user, "
-                  f"{r['tokens_per_s']:.1f} tok/s, acceptance length "
-                  f"{r['acceptance_length'] or 1:.2f}", flush=True)
+        for acceptance in args.acceptance if spec else ["-"]:
+            if spec:  # the engine's replay (in process: the executor's) draws from this curve
+                engine.executor.draft.replay.curve = AcceptanceCurve.from_spec(acceptance,
+                                                                               block - 1)
+            for b in args.batch_sizes:
+                # the first pass warms up (the adaptive rule's estimates too) and, the first
+                # time, records the outputs the draft's proposals are replayed from
+                measured_pass(engine, prompts[b], args.output_len)
+                r = measured[name, acceptance, b] = measured_pass(engine, prompts[b],
+                                                                  args.output_len)
+                print(f"{name} at {acceptance}, batch {b}: {r['tokens_per_s_per_user']:.1f} "
+                      f"tok/s per user, {r['tokens_per_s']:.1f} tok/s, acceptance length "
+                      f"{r['acceptance_length'] or 1:.2f}", flush=True)
         del engine
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    for b in args.batch_sizes:
-        plain, spec = by_engine["plain"][b], by_engine["dflash"][b]
-        runs = [(n, by_engine[n][b]) for n in names]
-        row = {"batch": b, "same_outputs": all(r["outputs"] == plain["outputs"] for _, r in runs),
-               "speedup_per_user": spec["tokens_per_s_per_user"] / plain["tokens_per_s_per_user"],
-               "speedup_total": spec["tokens_per_s"] / plain["tokens_per_s"],
-               **{f"{k}_{n}": v for n, r in runs for k, v in r.items() if k != "outputs"}}
-        if args.adaptive:
-            adaptive = by_engine["adaptive"][b]
-            row["adaptive_speedup_per_user"] = (adaptive["tokens_per_s_per_user"]
-                                                / plain["tokens_per_s_per_user"])
-            row["adaptive_speedup_total"] = adaptive["tokens_per_s"] / plain["tokens_per_s"]
-        results["batches"].append(row)
+    for acceptance in args.acceptance:
+        for b in args.batch_sizes:
+            plain = measured["plain", "-", b]
+            runs = [(n, measured[n, "-" if n == "plain" else acceptance, b]) for n in names]
+            row = {"acceptance": acceptance, "batch": b,
+                   "same_outputs": all(r["outputs"] == plain["outputs"] for _, r in runs)}
+            for n, r in runs:
+                row |= {f"{k}_{n}": v for k, v in r.items() if k != "outputs"}
+                if n != "plain":
+                    row[f"speedup_per_user_{n}"] = (r["tokens_per_s_per_user"]
+                                                    / plain["tokens_per_s_per_user"])
+                    row[f"speedup_total_{n}"] = r["tokens_per_s"] / plain["tokens_per_s"]
+            results["rows"].append(row)
     print(table(results))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
@@ -132,22 +138,19 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = [f"acceptance {results['acceptance']}, B = {results['block_size']} "
-             f"({results['device']})",
-             "| batch | plain tok/s/user | DFlash tok/s/user | speedup | plain tok/s | "
-             "DFlash tok/s | speedup | τ reached | outputs equal |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
-    for r in results["batches"]:
-        lines.append(
-            f"| {r['batch']} | {r['tokens_per_s_per_user_plain']:.1f} | "
-            f"{r['tokens_per_s_per_user_dflash']:.1f} | {r['speedup_per_user']:.2f}× | "
-            f"{r['tokens_per_s_plain']:.1f} | {r['tokens_per_s_dflash']:.1f} | "
-            f"{r['speedup_total']:.2f}× | {r['acceptance_length_dflash']:.2f} | "
-            f"{'yes' if r['same_outputs'] else 'NO'} |")
-    if any("adaptive_speedup_total" in r for r in results["batches"]):
-        lines += ["", "| batch | adaptive tok/s/user | speedup | adaptive tok/s | speedup |",
-                  "|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['batch']} | {r['tokens_per_s_per_user_adaptive']:.1f} | "
-                  f"{r['adaptive_speedup_per_user']:.2f}× | {r['tokens_per_s_adaptive']:.1f} | "
-                  f"{r['adaptive_speedup_total']:.2f}× |" for r in results["batches"]]
+    spec = [n for n in ("dflash", "adaptive") if f"speedup_total_{n}" in results["rows"][0]]
+    label = {"dflash": f"B = {results['block_size']}", "adaptive": "adaptive"}
+    lines = [f"{results['device']}: tokens/s per user (and in total), plain decoding against "
+             f"DFlash with replayed proposals",
+             "| τ asked | batch | plain | " + " | ".join(
+                 f"{label[n]} | speedup | τ reached" for n in spec) + " | outputs equal |",
+             "|---" * (3 + 3 * len(spec)) + "|:---:|"]
+    for r in results["rows"]:
+        cells = [r["acceptance"], str(r["batch"]),
+                 f"{r['tokens_per_s_per_user_plain']:.1f} ({r['tokens_per_s_plain']:.0f})"]
+        for n in spec:
+            cells += [f"{r[f'tokens_per_s_per_user_{n}']:.1f} ({r[f'tokens_per_s_{n}']:.0f})",
+                      f"{r[f'speedup_per_user_{n}']:.2f}× ({r[f'speedup_total_{n}']:.2f}×)",
+                      f"{r[f'acceptance_length_{n}']:.2f}"]
+        lines.append("| " + " | ".join(cells) + f" | {'yes' if r['same_outputs'] else 'NO'} |")
     return "\n".join(lines)

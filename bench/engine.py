@@ -362,11 +362,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--control-spin-us", type=int, default=None,
                    help="with --tp: spin before sleeping on the channel (default: by core count)")
     a = p.add_argument_group("generation at a chosen acceptance (bench/acceptance.py)")
-    a.add_argument("--acceptance", metavar="SPEC",
+    a.add_argument("--acceptance", metavar="SPEC", nargs="+",
                    help="instead of the step timings: plain decoding against DFlash (the "
-                        "largest --block-sizes) generating at this acceptance, a mean length "
-                        "(6.3) or per-position probabilities (a JSON list or a file), through "
-                        "the whole in-process engine; the first --prompt-len")
+                        "largest --block-sizes) generating at each of these acceptances, a "
+                        "mean length (6.3) or per-position probabilities (a JSON list or a "
+                        "file), through the whole in-process engine; the first --prompt-len")
     a.add_argument("--output-len", type=int, default=128, help="with --acceptance")
     a.add_argument("--adaptive", action="store_true",
                    help="with --acceptance: also the adaptive draft length")

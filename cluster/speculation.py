@@ -32,7 +32,7 @@ CANDIDATE_DRAFTS = (15, 7, 3, 0)
 DECAY = 0.9
 # What a sequence starts from, in drafts: the engine-wide rate counted as this many.
 PRIOR_WEIGHT = 4.0
-PROBE_AFTER = 16
+PROBE_AFTER = 64  # each probe costs one round of 3 drafts instead of a decode step
 
 
 def candidates(block_size: int) -> tuple[int, ...]:
