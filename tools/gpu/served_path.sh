@@ -8,6 +8,9 @@
 #   serve    `dflash-serve serve --load-format dummy` on the 35B-A3B architecture (the tiny
 #            demo's tokenizer), without a draft (AR) and with one (DFlash, B = 16), each measured
 #            by bench/serving.py at concurrency 1 and 8 (512-token prompts, 128 tokens)
+#   acceptance  bench/engine.py --acceptance: plain decoding, DFlash (B = 16) and the adaptive
+#            draft length at acceptance lengths $TAUS (default 1 3 6.3; the draft's proposals
+#            replayed from the target's recorded output), batch 1, 8, 32, in process
 #   prefix_inproc  bench/prefix.py: the multi-turn conversation in process (35B-A3B shapes,
 #            random weights), with and without the prefix cache, per-turn TTFT and prefill steps
 #   prefix   the same DFlash server with and without the prefix cache, each measured by
@@ -88,6 +91,12 @@ cluster)
 serve)
   [ "${SERVE_ONLY:-}" = spec ] || serve_and_measure ar
   serve_and_measure spec --draft-model /tmp/dummy_35b/draft --speculative-dflash-block-size 16 ;;
+acceptance)  # plain decoding, DFlash B = 16 and adaptive at chosen acceptances, in process
+  timeout ${BENCH_TIMEOUT:-300} python3 -m bench.engine --random-weights \
+    --preset qwen3.5-35b-a3b --device cuda --acceptance ${TAUS:-1 3 6.3} --adaptive \
+    --batch-sizes ${ACCEPTANCE_BATCHES:-1 8 32} --block-sizes 16 --prompt-len 512 \
+    --output-len 128 --gpu-memory-utilization 0.97 --out "$OUT/acceptance.json" 2>&1 \
+    | grep -vE "falling back|NCCL INFO" | tail -16 ;;
 prefix_inproc)  # the multi-turn conversation in process, with and without the cache
   timeout ${BENCH_TIMEOUT:-300} python3 -m bench.prefix --preset qwen3.5-35b-a3b --device cuda \
     --max-model-len 32768 --max-num-seqs 8 --gpu-memory-utilization 0.97 \
