@@ -126,6 +126,10 @@ class LLMEngine:
         self.stats = AcceptanceStats()
         self.draft_time = TimeAccumulator()  # per proposal, where the draft runs
         self.verify_time = TimeAccumulator()  # per round: target forward + accept + commit
+        # per step as the driver sees it, by kind: from its submission to its result applied
+        # (the step's processes, the transfers and this engine's own work)
+        self.step_time = {"round": TimeAccumulator(), "prefill": TimeAccumulator()}
+        self._step_started = 0.0
         self._seq_ids = itertools.count()
         self.num_steps = 0  # step messages sent (their ids)
         self._by_request: dict[str, Sequence] = {}
@@ -247,6 +251,7 @@ class LLMEngine:
             self._num_drafts = self.block_size - 1 if num_drafts is None else num_drafts
             msg = StepMsg(kind=StepKind.ROUND, anchors=[s.anchor for s in seqs], taps=taps,
                           num_drafts=num_drafts, **common)
+        self._step_started = time.perf_counter()
         self.executor.submit(msg)
         self._in_flight = plan
         return True
@@ -299,6 +304,8 @@ class LLMEngine:
                 self._enter_pages(s, toks[:n])  # (before a stop frees its pages)
                 s.acceptance_lengths.append(self._append(s, toks, result.logprobs.get(i)))
         outputs = self._collect(plan.prefill + plan.decode)
+        self.step_time["prefill" if plan.prefill else "round"].observe(
+            time.perf_counter() - self._step_started)
         self._apply_deferred_aborts()
         self._flush_if_idle()
         return outputs
@@ -455,7 +462,7 @@ class LLMEngine:
         a prompt fed in two chunks (on a GPU the first one of a full prefill budget) with its
         draft context writes, rounds with proposals; with CUDA graphs also a round at every
         batch bucket the graphs capture. Leaves the statistics as they were."""
-        stats = (self.stats, self.draft_time, self.verify_time)
+        stats = (self.stats, self.draft_time, self.verify_time, self.step_time)
         t, first_step, requests = time.perf_counter(), self.num_steps, 0
         on_gpu = self.cfg.device.startswith("cuda")
         page_size, budget = self.cfg.page_size, self.scheduler.max_num_batched_tokens
@@ -477,7 +484,7 @@ class LLMEngine:
                                        params)
         if self.has_draft and self.cfg.speculative_adaptive:
             self._start_adaptive(on_gpu and not self.cfg.enforce_eager)
-        self.stats, self.draft_time, self.verify_time = stats
+        self.stats, self.draft_time, self.verify_time, self.step_time = stats
         if self.prefix is not None:  # its entries stay (harmless), its counts start now
             self.prefix.stats = PrefixCacheStats()
         self.warmup = {"requests": requests, "steps": self.num_steps - first_step,
@@ -531,6 +538,7 @@ class LLMEngine:
             return 0  # a pool too small for the warm-up: the first request compiles instead
         self.stats, self.draft_time = AcceptanceStats(), TimeAccumulator()
         self.verify_time = TimeAccumulator()
+        self.step_time = {"round": TimeAccumulator(), "prefill": TimeAccumulator()}
         self.generate(prompts, params)
         return len(prompts)
 

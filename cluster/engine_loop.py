@@ -525,4 +525,5 @@ class LocalEngineClient:
             draft_time_per_round=(self.engine.draft_time.snapshot()
                                   if self.engine.has_draft else None),
             verify_time_per_round=self.engine.verify_time.snapshot(),
+            step_time={k: v.snapshot() for k, v in self.engine.step_time.items()},
             finished=dict(self._finished), prefix_cache=self.engine.prefix_snapshot())

@@ -49,6 +49,8 @@ class EngineSnapshot:
     # actor, TP rank 0; in process the same calls). None: not measured; /metrics leaves it out.
     draft_time_per_round: TimeHistogram | None = None
     verify_time_per_round: TimeHistogram | None = None
+    # Wall time per step as the driver sees it ("round", "prefill"): submission to result
+    step_time: dict[str, TimeHistogram] = field(default_factory=dict)
     # Requests the engine ended since start, by how: stop, length, abort (its consumer left,
     # or met a stop string), error (it failed, or a drain or shutdown stopped it).
     finished: dict[str, int] = field(default_factory=dict)

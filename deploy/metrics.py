@@ -265,6 +265,15 @@ class _EngineCollector:
             yield _histogram("dflash_draft_time_per_round_seconds",
                              "Wall time of one draft proposal, where the draft runs",
                              s.draft_time_per_round, m)
+        if s.step_time:
+            steps = HistogramMetricFamily(
+                "dflash_engine_step_seconds", "Wall time of one engine step as the driver sees "
+                "it, by kind (round, prefill): from its submission to its result applied",
+                labels=["model_name", "kind"])
+            for kind, h in sorted(s.step_time.items()):
+                steps.add_metric([m, kind], [*((floatToGoString(b), c) for b, c in zip(
+                    h.bounds, h.cumulative_counts, strict=True)), ("+Inf", h.count)], h.sum_s)
+            yield steps
         if s.verify_time_per_round is not None:
             yield _histogram("dflash_verify_time_per_round_seconds",
                              "Wall time of one verify pass (forward, acceptance, commit) on TP "

@@ -456,6 +456,12 @@ def test_metrics_report_latency_and_acceptance(server, oai):
     # one propose and one verify per batched round (rounds above count per sequence)
     drafts = m[("dflash_draft_time_per_round_seconds_count", ())]
     assert 0 < drafts == m[("dflash_verify_time_per_round_seconds_count", ())] <= rounds
+    # the driver's wall time per step: one per batched round (at least the draft's and the
+    # verify's), and the prefill steps
+    step = {(dict(k[1])["kind"], k[0].rsplit("_", 1)[1]): v for k, v in m.items()
+            if k[0].startswith("dflash_engine_step_seconds_") and "le" not in dict(k[1])}
+    assert step[("round", "count")] == drafts and step[("prefill", "count")] > 0
+    assert step[("round", "sum")] >= m[("dflash_verify_time_per_round_seconds_sum", ())]
 
     # vLLM's names: each series equals its dflash_ twin sample for sample (one scrape)
     twins = {vllm: ours for ours, names in VLLM_NAMES.items() for vllm in names}
