@@ -105,6 +105,11 @@ class SpecStats:
     position_acceptance_rate: tuple[float, ...]  # cumulative since server start: after-values
     # this level's own rates: Δ accepted at position i / Δ drafts
     level_position_acceptance_rate: tuple[float, ...]
+    # the driver's wall time per step (dflash_engine_step_seconds): rounds, and the prefill
+    # steps between them (their count and mean)
+    engine_round_ms: float | None = None
+    prefill_steps: float | None = None
+    prefill_step_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -278,13 +283,13 @@ async def scrape(http: httpx.AsyncClient, base: str, idle_timeout: float = 10.0)
 
 
 def spec_stats(before: Samples, after: Samples) -> SpecStats:
-    def delta(name: str) -> float | None:
-        if (name, ()) not in after:
+    def delta(name: str, labels: tuple = ()) -> float | None:
+        if (name, labels) not in after:
             return None
-        return after[(name, ())] - before.get((name, ()), 0.0)
+        return after[(name, labels)] - before.get((name, labels), 0.0)
 
-    def mean_ms(hist: str) -> float | None:
-        s, n = delta(f"{hist}_sum"), delta(f"{hist}_count")
+    def mean_ms(hist: str, labels: tuple = ()) -> float | None:
+        s, n = delta(f"{hist}_sum", labels), delta(f"{hist}_count", labels)
         return 1e3 * s / n if s is not None and n else None
 
     def accepted_at(m: Samples) -> dict[int, float]:
@@ -301,7 +306,10 @@ def spec_stats(before: Samples, after: Samples) -> SpecStats:
     return SpecStats(rounds, committed, committed / rounds if rounds and committed else None,
                      mean_ms("dflash_draft_time_per_round_seconds"),
                      mean_ms("dflash_verify_time_per_round_seconds"),
-                     cumulative, tuple(level))
+                     cumulative, tuple(level),
+                     mean_ms("dflash_engine_step_seconds", (("kind", "round"),)),
+                     delta("dflash_engine_step_seconds_count", (("kind", "prefill"),)),
+                     mean_ms("dflash_engine_step_seconds", (("kind", "prefill"),)))
 
 
 def summarize(c: int, results: list[RequestResult], duration: float,

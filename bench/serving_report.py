@@ -15,6 +15,8 @@ COLUMNS = [  # (header, LevelSummary field or "spec.<field>", format)
     ("decode tok/s/user", "decode_tok_s_per_user_p50", "{:.1f}"),
     ("accept len", "spec.acceptance_length", "{:.2f}"),
     ("draft/verify ms", ("spec.draft_ms_per_round", "spec.verify_ms_per_round"), "{:.1f}"),
+    ("engine round ms", "spec.engine_round_ms", "{:.2f}"),
+    ("prefill steps (ms)", ("spec.prefill_steps", "spec.prefill_step_ms"), "{:.0f}"),
     ("errors", "errors", "{}"),
 ]
 

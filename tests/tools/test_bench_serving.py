@@ -65,6 +65,8 @@ def test_synthetic_run_reports_every_level(base_url, tmp_path):
         assert spec["acceptance_length"] >= 1
         assert n * (out_len - 1) <= spec["committed_tokens"] < n * (out_len - 1 + 8)
         assert spec["draft_ms_per_round"] > 0 and spec["verify_ms_per_round"] > 0
+        assert spec["engine_round_ms"] >= spec["verify_ms_per_round"]
+        assert spec["prefill_steps"] >= 1 and spec["prefill_step_ms"] > 0
         assert len(spec["position_acceptance_rate"]) == 7  # B = 8: 7 draft positions
         # a round commits its accepted prefix + 1, so the level's own per-position rates
         # (rebuilt from the cumulative gauges) must add up to its acceptance length
