@@ -42,6 +42,29 @@ def test_cuda_engine_sizes_its_pool_from_the_profile_and_is_lossless(tiny_demo):
     assert spec.stats.accepted_at[0] > 0
 
 
+def test_cuda_adaptive_engine_captures_every_length_and_is_lossless(tiny_demo):
+    """The adaptive rule's warm-up times rounds of each draft length at every graph bucket,
+    capturing them; rounds switching lengths then replay those graphs (none fails to capture)
+    with target-only's outputs."""
+    import itertools
+
+    prompts, params = workload(6)
+    want = LLMEngine(config(tiny_demo, draft=False, num_pages=512)).generate(prompts, params)
+    spec = LLMEngine(config(tiny_demo, draft=True, gpu_memory_utilization=0.5,
+                            speculative_adaptive=True))
+    spec.warm_up()
+    rule = spec.draft_length
+    assert sorted(rule.costs.seconds) == [0, 3, 7] and len(rule.costs.batch_sizes) > 1
+    runner = spec.executor.runner
+    widths = {w for (_, w, _) in runner.graphs.steps}
+    assert widths >= {1, 4, 8} and not runner.graphs.failed
+    assert [o.output_ids for o in spec.generate(prompts, params)] == [o.output_ids for o in want]
+    cycle = itertools.cycle([0, 7, 3, None, 0])
+    spec.draft_length = lambda seqs: next(cycle)
+    assert [o.output_ids for o in spec.generate(prompts, params)] == [o.output_ids for o in want]
+    assert not runner.graphs.failed and not spec.executor.drafter.failed
+
+
 @pytest.mark.ray
 def test_ray_cuda_engine_feeds_the_draft_through_cuda_ipc(ray_cluster, tiny_demo):
     from cluster.ray_executor import RayEngineCluster
