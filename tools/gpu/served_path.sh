@@ -23,7 +23,8 @@
 #        bench/serving.py needs the client's own: openai, httpx2, httpcore2, truststore,
 #        jiter, sniffio, h11, distro, prometheus_client
 #        OUT=/some/dir bash tools/gpu/served_path.sh [tests inproc inproc_torch cluster serve]
-# (timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SERVE_TIMEOUT seconds; BENCH_ITERS, SERVE_PROMPTS;
+# (timeouts: TESTS_TIMEOUT, BENCH_TIMEOUT, SERVE_TIMEOUT (each bench/serving.py run) and
+#  SERVER_TIMEOUT (each server's whole life) seconds; BENCH_ITERS, SERVE_PROMPTS;
 #  SERVE_ONLY=spec skips the AR server; SERVE_ARGS adds serve flags: on an 80 GB H100 the 35B-A3B
 #  pair's weights (64.6 + 2.8 GiB) leave no KV pages at the defaults, so there
 #  SERVE_ARGS="--max-model-len 32768 --max-num-seqs 8 --gpu-memory-utilization 0.97")
@@ -46,7 +47,7 @@ start_server() {  # name, extra serve flags; status 1 (after its errors) where i
   python3 -m configs.presets qwen3.5-35b-a3b $dirs --tokenizer-from tests/assets/tiny/target \
     > /dev/null
   local t0=$SECONDS
-  timeout ${SERVE_TIMEOUT:-420} python3 -m deploy.cli serve --model $dirs/target "$@" \
+  timeout ${SERVER_TIMEOUT:-1200} python3 -m deploy.cli serve --model $dirs/target "$@" \
     --load-format dummy --tp 1 --device cuda --port $PORT --served-model-name dummy ${SERVE_ARGS:-} \
     > "$OUT/serve_$name.log" 2>&1 &
   for _ in $(seq 300); do sleep 1; grep -q "Ctrl-C\|Error\|error:" "$OUT/serve_$name.log" && break; done
