@@ -332,6 +332,9 @@ class LocalEngineClient:
                 except Exception as e:  # one request's command: it fails alone, never the loop
                     self._command_failed(cmd, e)
             began = False
+            if pending and getattr(self.engine.executor, "runs_on_submit", False):
+                self._deliver(pending)  # an executor in this thread: not a step later
+                pending = []
             if self._busy():
                 try:
                     began = self.engine.begin_step()

@@ -54,6 +54,9 @@ def execute(executor: Executor, msg: StepMsg) -> StepResult:
 
 
 class LocalExecutor:
+    # `submit` runs the step before it returns (no actors work beside the caller)
+    runs_on_submit = True
+
     def __init__(self, runner: TargetRunner, drafter: Drafter | None,
                  controls: ControlsEnv | None = None, replay: AcceptanceReplay | None = None):
         self.runner, self.drafter = runner, drafter
