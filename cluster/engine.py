@@ -123,12 +123,11 @@ class LLMEngine:
                                    max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.eos_ids = read_eos_ids(cfg.model, self.target_config.eos_token_ids)
         self._eos_tuple = tuple(sorted(self.eos_ids))
-        self.stats = AcceptanceStats()
-        self.draft_time = TimeAccumulator()  # per proposal, where the draft runs
-        self.verify_time = TimeAccumulator()  # per round: target forward + accept + commit
-        # per step as the driver sees it, by kind: from its submission to its result applied
-        # (the step's processes, the transfers and this engine's own work)
-        self.step_time = {"round": TimeAccumulator(), "prefill": TimeAccumulator()}
+        # statistics: acceptance; per proposal, where the draft runs (draft_time); per round,
+        # target forward + accept + commit (verify_time); per step as the driver sees it, by
+        # kind, from its submission to its result applied (step_time: the step's processes,
+        # the transfers and this engine's own work)
+        self._fresh_stats()
         self._step_started = 0.0
         self._seq_ids = itertools.count()
         self.num_steps = 0  # step messages sent (their ids)
@@ -503,6 +502,7 @@ class LLMEngine:
             log.warning("adaptive speculation off: the KV pool cannot hold a round to time")
             return
         t = time.perf_counter()
+        self._fresh_stats()
         costs = measure_round_costs(self._round_times, sizes, self.block_size)
         self.draft_length = AdaptiveDraftLength(costs, self.block_size)
         log.info("adaptive speculation: round ms by drafts at batch %s: %s (measured in %.1f s)",
@@ -536,11 +536,15 @@ class LLMEngine:
         reach = self.scheduler.reach(Sequence(-1, "", prompts[0], params))
         if self.blocks.pages_needed(reach) > self.blocks.num_pages:
             return 0  # a pool too small for the warm-up: the first request compiles instead
+        self._fresh_stats()
+        self.generate(prompts, params)
+        return len(prompts)
+
+    def _fresh_stats(self) -> None:
+        """New statistics, for start-up's own requests (warm_up puts the old ones back)."""
         self.stats, self.draft_time = AcceptanceStats(), TimeAccumulator()
         self.verify_time = TimeAccumulator()
         self.step_time = {"round": TimeAccumulator(), "prefill": TimeAccumulator()}
-        self.generate(prompts, params)
-        return len(prompts)
 
     def _next_step_id(self) -> int:
         self.num_steps += 1
