@@ -347,6 +347,9 @@ class ServeArgs:
         mine = {f.name for f in fields(ServeArgs)}
         shared = {f.name: getattr(self, f.name) for f in fields(EngineConfig)
                   if f.name in mine and getattr(self, f.name) is not None}
+        replay = shared.get("acceptance_replay")
+        if replay is not None and Path(replay).is_file():  # read in the draft's actor, cwd apart
+            shared["acceptance_replay"] = str(Path(replay).resolve())
         cfg = EngineConfig(**{
             **shared,
             "model": model,

@@ -83,6 +83,27 @@ def test_prefix_caching_flags_reach_the_engine(tiny_demo):
         ServeArgs.from_dict({"model": target, "prefix_cache_state_gb": -1}).engine_config()
 
 
+def test_speculation_flags_reach_the_engine(tiny_demo, tmp_path, monkeypatch):
+    """--speculative-adaptive and --acceptance-replay (a length, or a file made absolute: the
+    draft's actor reads it from another working directory); a replay without a draft is
+    refused."""
+    from deploy.cli import parse_args, serve_args
+
+    target, draft = map(str, tiny_demo)
+    cfg = serve_args(parse_args(["serve", target, "--draft-model", draft, "--device", "cpu",
+                                 "--speculative-adaptive", "--acceptance-replay", "6.3"])
+                     ).engine_config()
+    assert cfg.speculative_adaptive and cfg.acceptance_replay == "6.3"
+    assert not ServeArgs(model=target, draft_model=draft).engine_config().speculative_adaptive
+    (tmp_path / "curve.json").write_text("[0.9, 0.8]")
+    monkeypatch.chdir(tmp_path)
+    cfg = ServeArgs(model=target, draft_model=draft,
+                    acceptance_replay="curve.json").engine_config()
+    assert cfg.acceptance_replay == str((tmp_path / "curve.json").resolve())
+    with pytest.raises(ValueError, match="acceptance_replay needs --draft-model"):
+        ServeArgs(model=target, acceptance_replay="6.3").engine_config()
+
+
 def test_load_format_reaches_the_engine_and_is_checked(tiny_demo):
     target, _ = map(str, tiny_demo)
     cfg = ServeArgs.from_dict({"model": target, "load_format": "dummy"}).engine_config()
