@@ -124,7 +124,6 @@ class AcceptanceReplay:
         self.keys: dict[int, bytes] = {}  # seq id → its prompt's key
         self.outputs: dict[int, list[int]] = {}  # seq id → the tokens committed after its prompt
         self.recorded: dict[bytes, list[int]] = {}  # prompt key → the longest output seen
-        self.replayed_rounds = 0  # sequences' rounds whose proposal came from a recording
 
     def apply(self, msg: StepMsg) -> None:
         for seq in msg.new_seqs:
@@ -159,7 +158,6 @@ class AcceptanceReplay:
             if k < len(ahead):
                 new[k] = ahead[k] - 1 if ahead[k] > 0 else ahead[k] + 1
             out.append(new)
-            self.replayed_rounds += 1
         return out
 
 
