@@ -13,8 +13,9 @@ again when the batch shrinks or the estimates recover.
 The costs are measured when the engine warms up (`measure_round_costs`): rounds at a few batch
 sizes for each K, interpolated between them. The estimates: per sequence, accepted and
 rejected drafts counted with a decay (recent rounds weigh more), started from the engine-wide
-rate, itself decayed the same way. A sequence in rounds without drafts learns nothing, so after
-PROBE_AFTER rounds without drafts one round drafts the smallest candidate.
+rate, itself decayed the same way. A sequence in rounds without drafts learns nothing, so once
+a sequence of the batch has gone PROBE_AFTER rounds without drafts, one round drafts the
+smallest candidate.
 
 Outputs do not depend on the choice: the target verifies whatever the draft proposes."""
 
@@ -110,9 +111,11 @@ class AdaptiveDraftLength:
 
     def __call__(self, seqs: list[Sequence]) -> int:
         k = self.choose([self.rate(s.seq_id) for s in seqs])
-        if k == 0 and all(self.by_seq.setdefault(s.seq_id, SeqAcceptance()).rounds_without
+        # a probe once any sequence has gone PROBE_AFTER rounds without drafts (any, not all:
+        # under steady arrivals young sequences are always there); it resets every one's count
+        if k == 0 and any(self.by_seq.get(s.seq_id, SeqAcceptance()).rounds_without
                           >= PROBE_AFTER for s in seqs):
-            k = min(c for c in candidates(self.block_size) if c > 0)  # probe
+            k = min(c for c in candidates(self.block_size) if c > 0)
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 

@@ -77,6 +77,15 @@ def test_estimates_follow_the_rounds_and_probes_come_back():
         for s in batch:
             rule.observe(s.seq_id, 0, 0)
     assert rule(batch) == 3  # ... so a short block probes
+    for s in batch:
+        rule.observe(s.seq_id, 0, 3)
+    young = seqs(9)[8:]  # a sequence that just joined: still a probe after 64 rounds of the rest
+    for _ in range(PROBE_AFTER):
+        assert rule(batch + young) == 0
+        for s in batch + young:
+            rule.observe(s.seq_id, 0, 0)
+    rule.forget(8)
+    assert rule(batch + seqs(10)[9:]) == 3
     for _ in range(12):  # every draft accepted now: the rates recover, the whole block again
         k = rule(batch)
         for s in batch:
