@@ -11,6 +11,10 @@
 #   acceptance  bench/engine.py --acceptance: plain decoding, DFlash (B = 16) and the adaptive
 #            draft length at acceptance lengths $TAUS (default 1 3 6.3; the draft's proposals
 #            replayed from the target's recorded output), batch 1, 8, 32, in process
+#   spec_served  three servers, plain, DFlash B = 16 and adaptive, the two with the draft's
+#            proposals replayed at acceptance $TAU (default 6.3; --acceptance-replay), each
+#            measured by bench/serving.py --record-first at concurrency $SPEC_LEVELS
+#            (default 1 4 8 16 32; --max-num-seqs in SERVE_ARGS must reach the highest)
 #   prefix_inproc  bench/prefix.py: the multi-turn conversation in process (35B-A3B shapes,
 #            random weights), with and without the prefix cache, per-turn TTFT and prefill steps
 #   prefix   the same DFlash server with and without the prefix cache, each measured by
@@ -92,6 +96,21 @@ cluster)
 serve)
   [ "${SERVE_ONLY:-}" = spec ] || serve_and_measure ar
   serve_and_measure spec --draft-model /tmp/dummy_35b/draft --speculative-dflash-block-size 16 ;;
+spec_served)  # the same over HTTP at one acceptance: plain, DFlash B = 16, adaptive servers
+  tau=${TAU:-6.3}
+  for mode in plain fixed adaptive; do
+    flags=(--no-enable-prefix-caching)  # the measured pass prefills as the recording did
+    [ $mode != plain ] && flags+=(--draft-model /tmp/dummy_35b/draft
+      --speculative-dflash-block-size 16 --acceptance-replay "$tau")
+    [ $mode = adaptive ] && flags+=(--speculative-adaptive)
+    start_server spec_$mode "${flags[@]}" || continue
+    timeout ${SERVE_TIMEOUT:-420} python3 -m bench.serving --base-url http://127.0.0.1:$PORT \
+      --concurrency ${SPEC_LEVELS:-1 4 8 16 32} --num-prompts ${SERVE_PROMPTS:-32} \
+      --prompt-len 512 --output-len 128 --record-first --out-dir "$OUT/spec_$mode" 2>&1 \
+      | tail -${SPEC_TAIL:-9}
+    grep -E "adaptive speculation|memory plan" "$OUT/serve_spec_$mode.log" | cut -c1-400
+    stop_server 10
+  done ;;
 acceptance)  # plain decoding, DFlash B = 16 and adaptive at chosen acceptances, in process
   timeout ${BENCH_TIMEOUT:-300} python3 -m bench.engine --random-weights \
     --preset qwen3.5-35b-a3b --device cuda --acceptance ${TAUS:-1 3 6.3} --adaptive \
