@@ -37,12 +37,12 @@ def conversation_turns(engine, args: argparse.Namespace, *, seed: int, turns: in
     """The multi-turn workload through `engine`, one step at a time."""
     from configs.engine import SamplingParams
 
-    num_turns, rng = turns, random.Random(seed)
+    rng = random.Random(seed)
     ids = lambda n: [rng.randrange(args.token_id_min, args.token_id_max)  # noqa: E731
                      for _ in range(n)]
-    history, turns = ids(args.history_len), []
+    history, done = ids(args.history_len), []
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    for turn in range(1, num_turns + 1):
+    for turn in range(1, turns + 1):
         history += ids(args.turn_len)
         sync(args.device)
         start = time.perf_counter()
@@ -65,7 +65,7 @@ def conversation_turns(engine, args: argparse.Namespace, *, seed: int, turns: in
                 if o.finished:
                     final = o
         history += final.output_ids
-        turns.append({"turn": turn, "prompt_tokens": len(final.prompt_ids),
+        done.append({"turn": turn, "prompt_tokens": len(final.prompt_ids),
                       "cached_tokens": final.num_cached_tokens, "ttft_ms": 1e3 * ttft,
                       "prefill_steps": prefill,
                       "round_ms_median": statistics.median(rounds) if rounds else None})
@@ -73,7 +73,7 @@ def conversation_turns(engine, args: argparse.Namespace, *, seed: int, turns: in
               f"({final.num_cached_tokens} cached), TTFT {1e3 * ttft:.1f} ms, prefill "
               + " ".join(f"{p['chunks']}:{p['ms']:.1f}" for p in prefill)
               + (f", rounds {statistics.median(rounds):.2f} ms" if rounds else ""), flush=True)
-    return turns
+    return done
 
 
 def sync(device: str) -> None:
