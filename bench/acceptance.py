@@ -2,21 +2,23 @@
 `python -m bench.engine --acceptance SPEC` runs this instead of the step timings.
 
     python -m bench.engine --random-weights --preset qwen3.5-35b-a3b --device cuda \
-        --acceptance 6.3 --batch-sizes 1 8 32 --block-sizes 16 --prompt-len 512 \
-        --output-len 128 --out acceptance.json
+        --acceptance 1 3 6.3 --adaptive --batch-sizes 1 8 32 --block-sizes 16 \
+        --prompt-len 512 --output-len 128 --out acceptance.json
 
-SPEC is the engine's acceptance replay (draft/replay.py): a mean acceptance length τ such as
-6.3, or per-position acceptance probabilities (a JSON list, or a file holding one). The engine
-is built twice, one after the other: without the draft (plain decoding), then with it and
-the replay. For each batch size the same token-id prompts (greedy, ignore_eos) run twice in
-each engine: the first pass warms up and, with the draft, records the target's outputs; the
-second is measured, its proposals replayed from the recording. Per batch size and engine:
-tokens/s per user (each request's output tokens after its first over the time from its first
-token to its last, median over the requests), total tokens/s (all output tokens over the
-pass), TTFT median, the mean acceptance length the rounds reached, and whether the engines'
-outputs are the same (they must be: the target verifies every draft). With --adaptive a third
-engine picks each round's draft length (EngineConfig.speculative_adaptive, its round costs
-measured at warm-up) under the same replay."""
+Each SPEC is an acceptance for the engine's replay (draft/replay.py): a mean acceptance length
+τ such as 6.3, or per-position acceptance probabilities (a JSON list, or a file holding one).
+One engine per mode, one after the other: plain decoding (no draft), DFlash with a fixed block
+(the largest --block-sizes), and with --adaptive DFlash choosing each round's draft length
+(EngineConfig.speculative_adaptive, its round costs measured at warm-up). A DFlash engine
+takes each SPEC in turn (its replay's curve set in place). For each SPEC and batch size the
+same token-id prompts (greedy, ignore_eos) run twice: the first pass warms up (the adaptive
+rule's estimates too) and, the first time, records the target's outputs; the second is
+measured, its proposals replayed from the recording. Per row: tokens/s per user (each
+request's output tokens after its first over the time from its first token to its last,
+median over the requests), total tokens/s (all output tokens over the pass), TTFT median, the
+mean acceptance length the rounds reached, each DFlash mode's speedups over plain decoding,
+and whether every mode's outputs are the same (they must be: the target verifies every
+draft)."""
 
 from __future__ import annotations
 
